@@ -1,0 +1,124 @@
+"""build_datasets: recipe sources -> tokenized train/eval datasets with input_ids and labels (-100 = not trained)."""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from sft.config import SFTConfig
+from sft.encode import Encoding
+from sft.errors import SFTError
+from sft.formats import Rendered, check_columns, default_completion_only, detect_format, row_renderer
+from sft.sources import Source, load_source, parse_sources, repeat_by_weight
+
+TOKEN_COLUMNS = ["input_ids", "labels", "length"]
+
+
+@dataclass
+class Prepared:
+    """A tokenized dataset and how many rows were dropped or truncated on the way."""
+
+    dataset: datasets.Dataset
+    dropped_rows: int
+    truncated_rows: int
+
+
+def build_datasets(config: SFTConfig, tokenizer: PreTrainedTokenizerBase | None = None,
+                   ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """Tokenized (train, eval) datasets for a recipe; eval is None when the recipe asks for none.
+
+    Args:
+        config: the validated recipe (see load_recipe).
+        tokenizer: the tokenizer to use; loaded from the recipe when omitted.
+    """
+    train, evaluation = prepare_splits(config, tokenizer)
+    return train.dataset, evaluation.dataset if evaluation else None
+
+
+def prepare_splits(config: SFTConfig, tokenizer: PreTrainedTokenizerBase | None = None,
+                   ) -> tuple[Prepared, Prepared | None]:
+    """Train and eval data with their drop/truncation counts."""
+    if tokenizer is None:
+        from sft.model import load_tokenizer  # deferred: keeps `import sft.dataset` light
+
+        tokenizer = load_tokenizer(config)
+    train = prepare(parse_sources(config.dataset), config, tokenizer)
+    if config.eval_dataset is not None:
+        if config.eval_split_size:
+            raise SFTError("Set either `eval_dataset` or `eval_split_size`, not both.")
+        return train, prepare(parse_sources(config.eval_dataset, "eval_dataset"), config, tokenizer)
+    if not config.eval_split_size:
+        return train, None
+    return split_off_eval(train, config.eval_split_size, config.seed)
+
+
+def prepare(sources: list[Source], config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared:
+    """Load, render, tokenize and weight every source, then concatenate them."""
+    formats: set[str] = set()
+    parts = [prepare_source(s, config, tokenizer, formats) for s in sources]
+    if config.dataset_format == "auto" and len(formats) == 1:
+        config.dataset_format = formats.pop()  # recipe.yaml records what was detected
+    dataset = datasets.concatenate_datasets([p.dataset for p in parts]) if len(parts) > 1 else parts[0].dataset
+    if len(dataset) == 0:
+        raise SFTError(f"No training rows left in {', '.join(s.label for s in sources)}: every row was dropped "
+                       f"(no trained token within max_length={config.max_length}). Raise max_length or check the data.")
+    return Prepared(dataset, sum(p.dropped_rows for p in parts), sum(p.truncated_rows for p in parts))
+
+
+def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedTokenizerBase,
+                   formats: set[str]) -> Prepared:
+    """One source: detect its format, tokenize it in batches, count what was dropped or truncated."""
+    raw = load_source(source)
+    if len(raw) == 0:
+        raise SFTError(f"Dataset {source.label} has no rows.")
+    fmt = resolve_format(config, raw.column_names, source.label)
+    formats.add(fmt)
+    render = make_renderer(config, fmt, tokenizer)
+    encoding = Encoding(tokenizer, config.max_length, config.truncation_side)
+    tokenized = raw.map(
+        encode_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
+        num_proc=config.dataset_num_proc, desc=f"Tokenizing {source.label}",
+        fn_kwargs={"render": render, "encoding": encoding, "where": source.label},
+    )
+    truncated = sum(tokenized["truncated"])
+    tokenized = tokenized.remove_columns("truncated")
+    dropped = len(raw) - len(tokenized)
+    return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, truncated)
+
+
+def resolve_format(config: SFTConfig, columns: list[str], where: str) -> str:
+    """The recipe's dataset_format, or the one detected from columns; records the resolved value."""
+    fmt = detect_format(columns, where) if config.dataset_format == "auto" else config.dataset_format
+    check_columns(fmt, columns, where)
+    if config.completion_only_loss is None:
+        config.completion_only_loss = default_completion_only(fmt)
+    return fmt
+
+
+def make_renderer(config: SFTConfig, fmt: str, tokenizer: PreTrainedTokenizerBase) -> Callable:
+    """The row -> Rendered function for this format."""
+    chat = None
+    if fmt == "messages":
+        from sft.chat import ChatRenderer
+
+        chat = ChatRenderer(tokenizer, config.chat_template, config.assistant_only_loss)
+    return row_renderer(fmt, bool(config.completion_only_loss), chat)
+
+
+def encode_batch(batch: dict, indices: list[int], render: Callable, encoding: Encoding, where: str) -> dict:
+    """datasets.map body: render each row, tokenize the batch, drop rows with nothing to train."""
+    keys = list(batch)
+    rows = [render({k: batch[k][i] for k in keys}, where, index + 1) for i, index in enumerate(indices)]
+    encoded = encoding.encode([r for r in rows if isinstance(r, Rendered)])
+    keep = [i for i, trained in enumerate(encoded.pop("trained")) if trained]
+    return {key: [values[i] for i in keep] for key, values in encoded.items()}
+
+
+def split_off_eval(train: Prepared, size: float, seed: int) -> tuple[Prepared, Prepared]:
+    """Hold out `size` rows (a fraction if < 1) of the tokenized training data for evaluation."""
+    test_size = size if size < 1 else int(size)
+    if len(train.dataset) < 2 or (test_size >= 1 and test_size >= len(train.dataset)):
+        raise SFTError(f"eval_split_size={size} leaves no training rows out of {len(train.dataset)}.")
+    parts = train.dataset.train_test_split(test_size=test_size, seed=seed, shuffle=True)
+    return Prepared(parts["train"], train.dropped_rows, train.truncated_rows), Prepared(parts["test"], 0, 0)

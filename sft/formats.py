@@ -1,0 +1,126 @@
+"""Dataset formats: detect a format from columns and render each row to text plus the character spans to train."""
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from sft.errors import SFTError
+
+# Stanford Alpaca's prompt templates, verbatim (tatsu-lab/stanford_alpaca train.py).
+ALPACA_PROMPT_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:"
+)
+
+# Columns each format needs, in detection order (the first format whose columns are all present wins).
+REQUIRED_COLUMNS = {
+    "messages": ("messages",),
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "text": ("text",),
+}
+
+
+@dataclass
+class Rendered:
+    """One example as text, the character spans whose tokens are trained, and how to tokenize it."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    append_eos: bool = True  # plain formats end with EOS; chat templates write their own end-of-turn tokens
+    add_special_tokens: bool = True  # chat templates already contain BOS
+
+
+def detect_format(columns: list[str], where: str) -> str:
+    """The format implied by the dataset's columns, or an error suggesting a `columns` mapping."""
+    for name, required in REQUIRED_COLUMNS.items():
+        if all(c in columns for c in required):
+            return name
+    raise SFTError(f"Dataset {where}: cannot tell its format from columns {columns}. Expected one of: "
+                   + "; ".join(f"{name} ({', '.join(cols)})" for name, cols in REQUIRED_COLUMNS.items())
+                   + _rename_hint(columns) + ". Or set `dataset_format`.")
+
+
+def check_columns(fmt: str, columns: list[str], where: str) -> None:
+    """Every column `fmt` needs is present, or an error naming the missing one and a likely rename."""
+    missing = [c for c in REQUIRED_COLUMNS[fmt] if c not in columns]
+    if missing:
+        raise SFTError(f"Dataset {where}: format {fmt} needs column `{missing[0]}`, which is missing "
+                       f"(columns: {', '.join(columns)}){_rename_hint(columns, missing)}.")
+
+
+def _rename_hint(columns: list[str], wanted: list[str] | None = None) -> str:
+    """A `columns:` mapping suggestion for a column that looks like an expected one."""
+    targets = wanted or sorted({c for cols in REQUIRED_COLUMNS.values() for c in cols})
+    for target in targets:
+        close = difflib.get_close_matches(target, columns, n=1, cutoff=0.6)
+        if close and close[0] != target:
+            return f". Column `{close[0]}` looks like `{target}`: map it with `columns: {{{close[0]}: {target}}}`"
+    return ""
+
+
+def field_text(row: dict, name: str, where: str, row_number: int, required: bool = True) -> str:
+    """A string field of a row, or an error naming the row and what is wrong with it."""
+    value = row.get(name)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        kind = "missing" if value is None else f"a {type(value).__name__}, not a string"
+        raise SFTError(f"Dataset {where}, row {row_number}: field `{name}` is {kind}. Fix or remove the row.")
+    if required and not value.strip():
+        raise SFTError(f"Dataset {where}, row {row_number}: field `{name}` is empty. Fix or remove the row.")
+    return value
+
+
+def render_alpaca(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
+    """Stanford Alpaca: the prompt template, then the output; the output (and EOS) are trained."""
+    instruction = field_text(row, "instruction", where, row_number)
+    extra = field_text(row, "input", where, row_number, required=False)
+    output = field_text(row, "output", where, row_number)
+    template = ALPACA_PROMPT_INPUT if extra.strip() else ALPACA_PROMPT_NO_INPUT
+    prompt = template.format(instruction=instruction, input=extra)
+    return _prompt_completion(prompt, output, completion_only)
+
+
+def render_prompt_completion(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
+    """Prompt followed directly by completion; the completion (and EOS) are trained."""
+    prompt = field_text(row, "prompt", where, row_number, required=False)
+    completion = field_text(row, "completion", where, row_number)
+    return _prompt_completion(prompt, completion, completion_only)
+
+
+def render_text(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
+    """Plain text, all trained."""
+    text = field_text(row, "text", where, row_number)
+    return Rendered(text, [(0, len(text))])
+
+
+def _prompt_completion(prompt: str, completion: str, completion_only: bool) -> Rendered:
+    text = prompt + completion
+    return Rendered(text, [(len(prompt) if completion_only else 0, len(text))])
+
+
+RENDERERS: dict[str, Callable[..., Rendered]] = {
+    "alpaca": render_alpaca,
+    "prompt_completion": render_prompt_completion,
+    "text": render_text,
+}
+
+
+def default_completion_only(fmt: str) -> bool:
+    """completion_only_loss when the recipe leaves it unset: train only answers where prompts exist."""
+    return fmt in ("alpaca", "prompt_completion")
+
+
+def row_renderer(fmt: str, completion_only: bool, chat: Any = None) -> Callable[[dict, str, int], Rendered]:
+    """A function row -> Rendered for `fmt`; chat formats render through `chat` (a sft.chat.ChatRenderer)."""
+    if fmt == "messages":
+        return chat.render_row
+    render = RENDERERS[fmt]
+    return lambda row, where, number: render(row, where, number, completion_only)

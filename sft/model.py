@@ -1,0 +1,87 @@
+"""Loading the tokenizer and model a recipe names: dtype, attention backend, safe defaults, new tokens."""
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from sft.config import SFTConfig
+from sft.errors import SFTError
+
+log = logging.getLogger(__name__)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EMBEDDING_MULTIPLE = 64  # padded vocab sizes keep matmuls on fast tensor-core shapes
+
+
+def check_model_reference(name: str | None, key: str = "model_name_or_path") -> str:
+    """`name` as given, or an error when it is unset or a local path that does not exist."""
+    if not name:
+        raise SFTError(f"`{key}` is not set: give a Hub id (e.g. Qwen/Qwen2.5-0.5B) or a local model folder.")
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
+    if looks_local and not Path(name).expanduser().exists():
+        raise SFTError(f"`{key}`: {name} does not exist. Give an existing folder or a Hub id like org/name.")
+    return name
+
+
+def load_tokenizer(config: SFTConfig) -> PreTrainedTokenizerBase:
+    """The recipe's fast tokenizer, with a pad token arranged."""
+    name = check_model_reference(config.tokenizer_name_or_path or config.model_name_or_path,
+                                 "tokenizer_name_or_path" if config.tokenizer_name_or_path else "model_name_or_path")
+    warn_remote_code(config, name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=config.revision,
+                                                  trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise SFTError(f"Could not load the tokenizer of {name}: {str(err).splitlines()[0]}") from None
+    if not tokenizer.is_fast:
+        raise SFTError(f"The tokenizer of {name} is not a fast tokenizer; sft needs character offsets to build "
+                       "loss masks. Convert it with `tokenizers` or pick a model that ships tokenizer.json.")
+    if tokenizer.pad_token is None:
+        # Labels are padded with -100 by the collator, never by matching pad ids, so reusing EOS for padding
+        # cannot hide the trained EOS token.
+        tokenizer.pad_token = tokenizer.eos_token
+        log.info("The tokenizer has no pad token; padding with %s (labels are padded with -100).", tokenizer.eos_token)
+    return tokenizer
+
+
+def warn_remote_code(config: SFTConfig, name: str) -> None:
+    """Say loudly which repository's code will run when trust_remote_code is on."""
+    if config.trust_remote_code:
+        log.warning("trust_remote_code is on: Python code from %s will run on this machine.", name)
+
+
+def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """The recipe's causal LM in the requested dtype, with embeddings grown to fit the tokenizer."""
+    name = check_model_reference(config.model_name_or_path)
+    kwargs = dict(revision=config.revision, trust_remote_code=config.trust_remote_code,
+                  use_safetensors=None if config.allow_pickle else True, dtype=DTYPES.get(config.dtype, "auto"))
+    if config.attn_implementation:
+        kwargs["attn_implementation"] = config.attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as err:
+        raise SFTError(f"Could not load the model {name}: {str(err).splitlines()[0]}"
+                       + (" (sft loads safetensors only; set allow_pickle: true to load .bin weights you trust)"
+                          if "safetensors" in str(err) else "")) from None
+    model.config.use_cache = False  # a KV cache during training defeats packed-sequence isolation and wastes memory
+    fit_embeddings(model, tokenizer)
+    return model
+
+
+def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Grow embeddings for added tokens (mean-initialised rows, padded to a multiple of 64); returns new ids."""
+    old_rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) <= old_rows:
+        return []
+    model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=EMBEDDING_MULTIPLE, mean_resizing=True)
+    log.info("Resized embeddings from %d to %d rows for %d new tokens.", old_rows,
+             model.get_input_embeddings().weight.shape[0], len(tokenizer) - old_rows)
+    return list(range(old_rows, len(tokenizer)))
+
+
+def model_type(config: SFTConfig) -> str:
+    """The model_type of the recipe's model, read from its config without loading weights."""
+    name = check_model_reference(config.model_name_or_path)
+    return AutoConfig.from_pretrained(name, revision=config.revision,
+                                      trust_remote_code=config.trust_remote_code).model_type

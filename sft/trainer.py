@@ -1,0 +1,56 @@
+"""SFTTrainer: transformers.Trainer with SFT batching, token-normalised loss and throughput logging."""
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, Trainer
+
+from sft.encode import IGNORE_INDEX
+
+
+def default_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
+    """Right-pad input_ids with the pad id and labels with -100, so padding never hides a trained EOS."""
+    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
+
+
+class SFTMixin:
+    """The SFT layer shared by SFTTrainer and its Seq2Seq sibling: token accounting and throughput logs."""
+
+    def _init_sft(self) -> None:
+        self._tokens_window, self._trained_total, self._window_start = 0, 0, time.perf_counter()
+
+    def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """One micro-batch forward/backward, counting its tokens."""
+        mask = inputs.get("attention_mask")
+        self._tokens_window += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        if "labels" in inputs:
+            self._trained_total += int((inputs["labels"] != IGNORE_INDEX).sum())
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add tokens/s (since the last log) and the running trained-token count to training logs."""
+        if "loss" in logs:
+            now = time.perf_counter()
+            rate = self._tokens_window / max(now - self._window_start, 1e-9)
+            logs = {**logs, "tokens_per_second": round(rate, 1), "trained_tokens": self._trained_total}
+            self._tokens_window, self._window_start = 0, now
+        super().log(logs, start_time)
+
+
+class SFTTrainer(SFTMixin, Trainer):
+    """Trainer for causal-LM SFT on datasets of input_ids/labels; every Trainer customization point still works.
+
+    The loss is the sum over trained tokens divided by the trained tokens of the whole optimizer step
+    (the Trainer's `num_items_in_batch`), so gradient accumulation and padding do not change it.
+    """
+
+    def __init__(self, model: nn.Module, args: Any, processing_class: PreTrainedTokenizerBase | None = None,
+                 data_collator: Any = None, **kwargs: Any) -> None:
+        if data_collator is None and processing_class is not None:
+            data_collator = default_collator(processing_class)
+        super().__init__(model=model, args=args, processing_class=processing_class,
+                         data_collator=data_collator, **kwargs)
+        self._init_sft()

@@ -1,0 +1,91 @@
+"""train(): what `sft train` does — validate, tokenize, load, fit, save everything a run promises."""
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import transformers
+
+from sft.config import SFTConfig
+from sft.dataset import prepare_splits
+from sft.errors import SFTError
+from sft.model import load_model, load_tokenizer
+from sft.recipe import save_recipe
+from sft.report import plot_loss, write_model_card
+from sft.stats import DataStats, compute_stats
+from sft.trainer import SFTTrainer
+
+log = logging.getLogger(__name__)
+RUN_MARKERS = ("recipe.yaml", "trainer_state.json", "config.json", "adapter_config.json")
+
+
+def train(config: SFTConfig) -> Path:
+    """Run a recipe end to end and return its output directory.
+
+    Args:
+        config: the validated recipe (see load_recipe).
+    """
+    resume = resume_setting(config.resume_from_checkpoint)
+    check_before_loading(config, resume)
+    tokenizer = load_tokenizer(config)
+    train_data, eval_data = prepare_splits(config, tokenizer)  # data errors surface before the model loads
+    stats = compute_stats(train_data.dataset, config.max_length, train_data.dropped_rows, train_data.truncated_rows)
+    log.info("\n%s", stats.table("Training data"))
+    transformers.set_seed(config.seed)  # new embedding rows are sampled: make them reproducible
+    model = load_model(config, tokenizer)
+    trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer, train_dataset=train_data.dataset,
+                         eval_dataset=eval_data.dataset if eval_data else None)
+    output_dir = prepare_output_dir(config, resume)
+    result = trainer.train(resume_from_checkpoint=resume)
+    save_run(trainer, config, stats, result.metrics, has_eval=eval_data is not None)
+    return output_dir
+
+
+def resume_setting(value: str | bool | None) -> str | bool | None:
+    """`resume_from_checkpoint` as the Trainer takes it: True for the latest checkpoint, or a path."""
+    if isinstance(value, str) and value.lower() in ("true", "false", "none", ""):
+        return value.lower() == "true" or None
+    return value
+
+
+def check_before_loading(config: SFTConfig, resume: str | bool | None) -> None:
+    """Fail fast on what needs no data or model: GPU-only flags here, and an output dir holding another run."""
+    problems = config.hardware_problems()
+    if problems:
+        raise SFTError(problems[0])
+    out = Path(config.output_dir)
+    existing = [m for m in RUN_MARKERS if (out / m).exists()] + [p.name for p in out.glob("checkpoint-*")][:1]
+    if existing and not resume and not config.overwrite_output_dir:
+        raise SFTError(f"output_dir {out} already holds a run ({existing[0]}). Pass --resume_from_checkpoint true "
+                       "to continue it, --overwrite_output_dir true to replace it, or choose another output_dir.")
+
+
+def prepare_output_dir(config: SFTConfig, resume: str | bool | None) -> Path:
+    """Create output_dir; with overwrite_output_dir (and no resume) clear the previous run first."""
+    out = Path(config.output_dir)
+    if out.exists() and config.overwrite_output_dir and not resume:
+        log.warning("overwrite_output_dir: removing the previous run in %s", out)
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def save_run(trainer: SFTTrainer, config: SFTConfig, stats: DataStats, metrics: dict, has_eval: bool) -> None:
+    """Model, tokenizer, results, state, recipe, data stats, loss plot and model card."""
+    out = Path(config.output_dir)
+    trainer.save_model(str(out))
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    if has_eval:
+        eval_metrics = trainer.evaluate()
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)
+        metrics = {**metrics, **eval_metrics}
+    trainer.save_state()
+    if not trainer.is_world_process_zero():
+        return
+    save_recipe(config, out / "recipe.yaml")
+    (out / "data_stats.json").write_text(json.dumps(stats.as_dict(), indent=2) + "\n")
+    plot_loss(trainer.state.log_history, out / "loss.png")
+    write_model_card(config, metrics, stats.as_dict(), out / "README.md")

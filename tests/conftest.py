@@ -1,0 +1,75 @@
+"""Shared test fixtures: an in-process tokenizer, tiny models from configs, data files, paths."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests are hermetic: never reach a hub
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+EMBEDDED_MODEL = REPO / "data" / "models" / "tiny-llama"
+FIXTURES = REPO.parent / "shared" / "fixtures"
+CORPUS = [
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    "### Instruction:\nAdd the two numbers.\n\n### Input:\n2 and 3\n\n### Response:5",
+    "The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
+    "Hello, how are you today? I am fine, thank you. What is the weather like?",
+    "def add(a, b):\n    return a + b\n# numbers 0 1 2 3 4 5 6 7 8 9 10",
+]
+
+
+def make_tokenizer():
+    """A byte-level BPE tokenizer with <s>, </s>, <pad> (distinct from EOS) and offsets, trained in-process."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]),
+    ])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+def make_llama(vocab_size: int, seed: int = 0, **overrides):
+    """A 2-layer Llama with hidden size 32, random init from `seed`, fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, use_cache=False, **overrides)
+    return LlamaForCausalLM(config).float()
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A saved tiny Llama + tokenizer folder."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    make_llama(len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_json(path: Path, rows: list, jsonl: bool = False) -> Path:
+    """Write rows as a JSON list (or JSON Lines) file and return its path."""
+    text = "\n".join(json.dumps(r) for r in rows) if jsonl else json.dumps(rows)
+    path.write_text(text, encoding="utf-8")
+    return path

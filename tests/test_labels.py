@@ -1,0 +1,80 @@
+"""Exact labels for every plain format: trained tokens are the completion (or all text) plus EOS, nothing else."""
+
+import pytest
+
+from sft.encode import IGNORE_INDEX, Encoding, trained_labels
+from sft.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, render_alpaca, render_prompt_completion, \
+    render_text
+
+
+def encode_one(tokenizer, rendered, max_length=512, side="right"):
+    out = Encoding(tokenizer, max_length, side).encode([rendered])
+    return out["input_ids"][0], out["labels"][0], out["truncated"][0]
+
+
+def expected(tokenizer, prompt: str, completion: str, train_prompt: bool = False):
+    """Labels built by hand: BOS + prompt tokens + completion tokens + EOS, from separately known token ids."""
+    ids = tokenizer(prompt + completion)["input_ids"] + [tokenizer.eos_token_id]
+    n_prompt = len(tokenizer(prompt)["input_ids"])
+    labels = [IGNORE_INDEX] * len(ids)
+    start = 1 if train_prompt else n_prompt
+    labels[start:] = ids[start:]
+    return ids, labels
+
+
+def test_alpaca_with_input_trains_output_and_eos(tokenizer):
+    row = {"instruction": "Add the two numbers.", "input": "2 and 3", "output": "5"}
+    ids, labels, cut = encode_one(tokenizer, render_alpaca(row, "x.json", 1, completion_only=True))
+    prompt = ALPACA_PROMPT_INPUT.format(instruction=row["instruction"], input=row["input"])
+    assert tokenizer.decode(ids) == "<s>" + prompt + "5</s>"
+    trained = [t for t in labels if t != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == "5</s>"
+    assert trained[-1] == tokenizer.eos_token_id and not cut
+    assert (ids, labels) == expected(tokenizer, prompt, "5")
+
+
+def test_alpaca_without_input_uses_the_no_input_template(tokenizer):
+    row = {"instruction": "Say hello.", "input": "", "output": "Hello, how are you today?"}
+    ids, labels, _ = encode_one(tokenizer, render_alpaca(row, "x.json", 1, completion_only=True))
+    prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=row["instruction"])
+    assert tokenizer.decode(ids) == "<s>" + prompt + row["output"] + "</s>"
+    assert tokenizer.decode([t for t in labels if t != IGNORE_INDEX]) == row["output"] + "</s>"
+
+
+def test_alpaca_full_loss_trains_everything_but_the_first_token(tokenizer):
+    row = {"instruction": "Say hello.", "input": "", "output": "Hello"}
+    ids, labels, _ = encode_one(tokenizer, render_alpaca(row, "x.json", 1, completion_only=False))
+    assert labels[0] == IGNORE_INDEX and labels[1:] == ids[1:]
+
+
+def test_prompt_completion_labels_are_exact(tokenizer):
+    row = {"prompt": "The capital of France is", "completion": " Paris."}
+    ids, labels, _ = encode_one(tokenizer, render_prompt_completion(row, "x.jsonl", 1, completion_only=True))
+    assert (ids, labels) == expected(tokenizer, row["prompt"], row["completion"])
+    assert tokenizer.decode([t for t in labels if t != IGNORE_INDEX]) == " Paris.</s>"
+
+
+def test_text_trains_all_tokens_after_the_first_and_eos(tokenizer):
+    row = {"text": "Hello, how are you today?"}
+    ids, labels, _ = encode_one(tokenizer, render_text(row, "x.jsonl", 1, completion_only=False))
+    assert ids == tokenizer(row["text"])["input_ids"] + [tokenizer.eos_token_id]
+    assert labels == [IGNORE_INDEX] + ids[1:]
+
+
+def test_boundary_token_merging_prompt_and_answer_is_trained(tokenizer):
+    # "Paris" right after "is" without a space: any token that reaches into the answer must be trained.
+    ids = tokenizer("The capital of France isParis")["input_ids"]
+    offsets = tokenizer("The capital of France isParis", return_offsets_mapping=True)["offset_mapping"]
+    labels = trained_labels(ids, offsets, [(len("The capital of France is"), len("The capital of France isParis"))])
+    covered = "".join(tokenizer.decode([t]) for t in labels if t != IGNORE_INDEX)
+    assert covered.endswith("Paris") and "capital" not in covered
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_truncation_keeps_max_length_and_untrains_the_new_first_token(tokenizer, side):
+    row = {"text": "The quick brown fox jumps over the lazy dog. " * 4}
+    ids, labels, cut = encode_one(tokenizer, render_text(row, "x", 1, False), max_length=8, side=side)
+    full, _, _ = encode_one(tokenizer, render_text(row, "x", 1, False))
+    assert cut and len(ids) == 8 and labels[0] == IGNORE_INDEX
+    assert ids == (full[:8] if side == "right" else full[-8:])
+    assert labels[1:] == ids[1:]

@@ -1,0 +1,56 @@
+"""SFTTrainer: the loss is normalised by the trained tokens of the whole optimizer step."""
+
+import datasets
+import pytest
+import torch
+
+from conftest import make_llama
+from sft import SFTConfig, SFTTrainer
+from sft.encode import IGNORE_INDEX
+
+
+def toy_dataset(seed: int = 0) -> datasets.Dataset:
+    """Four examples of different lengths and very different numbers of trained tokens."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for length, n_trained in ((7, 1), (12, 9), (5, 2), (16, 3)):
+        ids = torch.randint(5, 300, (length,), generator=g).tolist()
+        labels = [IGNORE_INDEX] * (length - n_trained) + ids[length - n_trained:]
+        rows.append({"input_ids": ids, "labels": labels})
+    return datasets.Dataset.from_list(rows)
+
+
+def one_step(tmp_path, tokenizer, batch: int, accumulation: int) -> tuple[float, dict]:
+    """Run one SGD step (lr 1, no clipping) and return the logged loss and the weight change (= -gradient)."""
+    model = make_llama(len(tokenizer), seed=1)
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    args = SFTConfig(output_dir=str(tmp_path / f"b{batch}"), per_device_train_batch_size=batch,
+                     gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0, optim="sgd",
+                     lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to="none",
+                     save_strategy="no", seed=3, dataloader_drop_last=False)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=toy_dataset())
+    trainer.train()
+    loss = next(e["loss"] for e in trainer.state.log_history if "loss" in e)
+    return loss, {k: before[k] - v.detach() for k, v in model.named_parameters()}
+
+
+def test_gradient_accumulation_matches_the_full_batch(tmp_path, tokenizer):
+    loss_full, grad_full = one_step(tmp_path, tokenizer, batch=4, accumulation=1)
+    loss_accum, grad_accum = one_step(tmp_path, tokenizer, batch=1, accumulation=4)
+    assert loss_accum == pytest.approx(loss_full, abs=1e-5)
+    for name, grad in grad_full.items():
+        assert torch.allclose(grad, grad_accum[name], atol=1e-5), name
+    assert any(g.abs().max() > 0 for g in grad_full.values())
+
+
+def test_loss_is_the_mean_over_trained_tokens(tmp_path, tokenizer):
+    loss, _ = one_step(tmp_path, tokenizer, batch=4, accumulation=1)
+    model = make_llama(len(tokenizer), seed=1)
+    total, count = 0.0, 0
+    for row in toy_dataset():
+        ids, labels = torch.tensor([row["input_ids"]]), torch.tensor(row["labels"])
+        logits = model(input_ids=ids).logits[0, :-1]
+        targets = labels[1:]
+        total += torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum").item()
+        count += int((targets != IGNORE_INDEX).sum())
+    assert loss == pytest.approx(total / count, abs=1e-4)  # logged loss is rounded by the Trainer
