@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     add_recipe_verb(verbs, "train", "fine-tune a model from a recipe", run_train)
+    data = add_recipe_verb(verbs, "data", "tokenize a recipe's data and print its statistics", run_data)
+    data.add_argument("--show", type=int, default=0, metavar="N", help="render N examples, trained tokens marked")
+    data.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    add_recipe_verb(verbs, "eval", "teacher-forced eval loss (and perplexity) of a recipe's model on its eval set",
+                    run_eval)
     return parser
 
 
@@ -96,3 +101,25 @@ def run_train(args: argparse.Namespace, rest: list[str]) -> None:
 
     out = train(load_recipe(args.recipe, flags=rest))
     log.info("Done. Model, tokenizer, recipe.yaml, metrics, loss.png and README.md are in %s", out)
+
+
+def run_data(args: argparse.Namespace, rest: list[str]) -> None:
+    """sft data RECIPE [--show N] [--json]"""
+    import json
+
+    from sft.datainfo import describe_data
+    from sft.recipe import load_recipe
+
+    stats, shown = describe_data(load_recipe(args.recipe, flags=rest), show=args.show, color=sys.stdout.isatty())
+    print(json.dumps(stats.as_dict(), indent=2) if args.json else stats.table("Training data"))
+    if shown:
+        print(shown)
+
+
+def run_eval(args: argparse.Namespace, rest: list[str]) -> None:
+    """sft eval RECIPE [--key value ...]"""
+    from sft.recipe import load_recipe
+    from sft.training import evaluate
+
+    metrics = evaluate(load_recipe(args.recipe, flags=rest))
+    print("\n".join(f"{k:<28} {v:.6g}" if isinstance(v, float) else f"{k:<28} {v}" for k, v in metrics.items()))

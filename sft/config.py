@@ -1,10 +1,10 @@
-"""SFTConfig: transformers.TrainingArguments plus the model, data and SFT fields a recipe can set."""
+"""SFTConfig: transformers (Seq2Seq)TrainingArguments plus the model, data and SFT fields a recipe can set."""
 
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import TrainingArguments
+from transformers import Seq2SeqTrainingArguments
 
 # Flags that only a GPU can honour. A recipe that sets them must still load (and pass `sft check`) on a laptop,
 # so they are validated when training starts, not when the recipe is read.
@@ -17,7 +17,7 @@ def _help(text: str, default: Any = None, **kwargs: Any) -> Any:
 
 
 @dataclass
-class SFTConfig(TrainingArguments):
+class SFTConfig(Seq2SeqTrainingArguments):
     """Everything one fine-tuning run needs; a recipe is a flat YAML of these field names."""
 
     # Model
@@ -50,9 +50,47 @@ class SFTConfig(TrainingArguments):
     )
     assistant_only_loss: bool = _help("Chat data: train only the assistant turns (and their end-of-turn tokens).", True)
     dataset_num_proc: int | None = _help("Processes for tokenization (datasets.map num_proc).")
+    dataloader_pin_memory: bool = _help("Pin dataloader memory (only useful with a GPU).", torch.cuda.is_available())
     overwrite_output_dir: bool = _help("Replace an existing run in output_dir instead of refusing.", False)
 
+    # Packing
+    packing: bool = _help("Pack examples into rows of max_length (best-fit-decreasing over the whole dataset).", False)
+    packing_strategy: str = _help("bfd: truncate over-long examples; bfd_split: split them into max_length chunks.",
+                                  "bfd", choices=("bfd", "bfd_split"))
+    padding_free: bool = _help("Flatten each batch into one row with per-example position ids (no padding).", False)
+    eval_packing: bool | None = _help("Pack eval data too (default: same as packing).")
+
+    # PEFT (LoRA / DoRA / rsLoRA)
+    use_peft: bool = _help("Train a LoRA adapter instead of all weights.", False)
+    lora_r: int = _help("LoRA rank.", 16)
+    lora_alpha: int = _help("LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rsLoRA).", 32)
+    lora_dropout: float = _help("Dropout on the LoRA input.", 0.05)
+    lora_target_modules: list[str] | None = _help("Module names to adapt (default: every linear layer but the output head).")
+    use_dora: bool = _help("Weight-decomposed LoRA (DoRA).", False)
+    use_rslora: bool = _help("Rank-stabilised LoRA scaling alpha / sqrt(r).", False)
+    lora_modules_to_save: list[str] | None = _help("Modules trained fully and saved with the adapter (e.g. embed_tokens).")
+
+    # Quantized loading (bitsandbytes)
+    load_in_4bit: bool = _help("Load the base model in 4 bit (QLoRA).", False)
+    load_in_8bit: bool = _help("Load the base model in 8 bit.", False)
+    bnb_4bit_quant_type: str = _help("4-bit data type: nf4 or fp4.", "nf4", choices=("nf4", "fp4"))
+    bnb_4bit_use_double_quant: bool = _help("Quantize the quantization constants too (saves ~0.4 bit/param).", True)
+    bnb_4bit_compute_dtype: str = _help("dtype of 4-bit matmuls: auto (the model dtype), bfloat16, float16, float32.",
+                                        "auto", choices=("auto", "bfloat16", "float16", "float32"))
+    bnb_4bit_quant_storage: str | None = _help("Storage dtype of packed 4-bit weights (FSDP-QLoRA needs the compute dtype).")
+
+    # Distributed
+    distributed: str | None = _help("Preset: ddp, fsdp, fsdp_offload, zero2, zero3 or zero3_offload.",
+                                    choices=("ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload"))
+
+    # Generation-based evaluation (predict_with_generate, generation_max_length, generation_num_beams and
+    # generation_config come from Seq2SeqTrainingArguments)
+    max_new_tokens: int | None = _help("Tokens to generate per eval prompt (default: generation_max_length or 128).")
+    metrics: list[str] | None = _help("Generation metrics: exact_match, rouge, bleu, or module.path:function.")
+
     def __post_init__(self) -> None:
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 are both true; pick one (bf16 on Ampere or newer GPUs, else fp16)")
         deferred = {name: getattr(self, name) for name in GPU_ONLY_FLAGS if getattr(self, name)}
         for name in deferred:  # let TrainingArguments validate the rest on any machine
             setattr(self, name, False if name != "tf32" else None)

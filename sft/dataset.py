@@ -81,6 +81,9 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
         num_proc=config.dataset_num_proc, desc=f"Tokenizing {source.label}",
         fn_kwargs={"render": render, "encoding": encoding, "where": source.label},
     )
+    if len(tokenized) == 0:
+        raise SFTError(f"Dataset {source.label}: all {len(raw)} rows were dropped because no trained token fits in "
+                       f"max_length={config.max_length}. Raise max_length or shorten the prompts.")
     truncated = sum(tokenized["truncated"])
     tokenized = tokenized.remove_columns("truncated")
     dropped = len(raw) - len(tokenized)

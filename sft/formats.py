@@ -71,7 +71,7 @@ def field_text(row: dict, name: str, where: str, row_number: int, required: bool
     if value is None and not required:
         return ""
     if not isinstance(value, str):
-        kind = "missing" if value is None else f"a {type(value).__name__}, not a string"
+        kind = "missing" if value is None else f"{type(value).__name__} {str(value)[:40]!r}, not a string"
         raise SFTError(f"Dataset {where}, row {row_number}: field `{name}` is {kind}. Fix or remove the row.")
     if required and not value.strip():
         raise SFTError(f"Dataset {where}, row {row_number}: field `{name}` is empty. Fix or remove the row.")

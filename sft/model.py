@@ -6,8 +6,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from sft.adapters import add_adapter
 from sft.config import SFTConfig
 from sft.errors import SFTError
+from sft.quantization import quantized_loading
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -52,12 +54,13 @@ def warn_remote_code(config: SFTConfig, name: str) -> None:
 
 
 def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """The recipe's causal LM in the requested dtype, with embeddings grown to fit the tokenizer."""
+    """The recipe's causal LM (dtype or bitsandbytes quantization), embeddings fit to the tokenizer, LoRA if use_peft."""
     name = check_model_reference(config.model_name_or_path)
     kwargs = dict(revision=config.revision, trust_remote_code=config.trust_remote_code,
                   use_safetensors=None if config.allow_pickle else True, dtype=DTYPES.get(config.dtype, "auto"))
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
+    kwargs.update(quantized_loading(config))
     try:
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as err:
@@ -65,7 +68,9 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
                        + (" (sft loads safetensors only; set allow_pickle: true to load .bin weights you trust)"
                           if "safetensors" in str(err) else "")) from None
     model.config.use_cache = False  # a KV cache during training defeats packed-sequence isolation and wastes memory
-    fit_embeddings(model, tokenizer)
+    new_ids = fit_embeddings(model, tokenizer)
+    if config.use_peft:
+        return add_adapter(model, config, new_ids)
     return model
 
 

@@ -1,6 +1,7 @@
 """train(): what `sft train` does — validate, tokenize, load, fit, save everything a run promises."""
 
 import json
+import math
 import logging
 import shutil
 from pathlib import Path
@@ -89,3 +90,18 @@ def save_run(trainer: SFTTrainer, config: SFTConfig, stats: DataStats, metrics: 
     (out / "data_stats.json").write_text(json.dumps(stats.as_dict(), indent=2) + "\n")
     plot_loss(trainer.state.log_history, out / "loss.png")
     write_model_card(config, metrics, stats.as_dict(), out / "README.md")
+
+
+def evaluate(config: SFTConfig) -> dict[str, float]:
+    """Teacher-forced loss and perplexity on the recipe's eval set; writes eval_results.json to output_dir."""
+    tokenizer = load_tokenizer(config)
+    _, eval_data = prepare_splits(config, tokenizer)
+    if eval_data is None:
+        raise SFTError("sft eval needs an eval set: set `eval_dataset`, or `eval_split_size` to hold out rows.")
+    model = load_model(config, tokenizer)
+    trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer, eval_dataset=eval_data.dataset)
+    metrics = trainer.evaluate()
+    metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
+    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+    trainer.save_metrics("eval", metrics, combined=False)
+    return metrics

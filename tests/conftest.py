@@ -59,7 +59,7 @@ def make_llama(vocab_size: int, seed: int = 0, **overrides):
     return LlamaForCausalLM(config).float()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer):
     """A saved tiny Llama + tokenizer folder."""
     path = tmp_path_factory.mktemp("tiny-model")

@@ -1,0 +1,84 @@
+"""Recipes: strict keys with nearest-key hints, typed values, flag overrides, hardware checks deferred."""
+
+import pytest
+
+from sft.cli import main
+from sft.errors import SFTError
+from sft.recipe import load_recipe, parse_flags, resolved_recipe
+
+
+def test_flags_override_recipe_keys_in_both_spellings(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 2.0e-5\nmax_steps: 100\npacking: false\n")
+    config = load_recipe(recipe, flags=["--learning_rate", "1e-4", "--max_steps=5", "--packing", "true"])
+    assert (config.learning_rate, config.max_steps, config.packing) == (1e-4, 5, True)
+
+
+def test_yaml_scientific_notation_without_dot_is_a_float(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 1e-4\n")  # YAML 1.1 reads this as a string
+    assert load_recipe(recipe).learning_rate == 1e-4
+
+
+@pytest.mark.parametrize("source", ["yaml", "flag"])
+def test_a_typo_names_the_nearest_valid_key(tmp_path, source):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learnig_rate: 1e-4\n" if source == "yaml" else "learning_rate: 1e-4\n")
+    flags = ["--learnig_rate", "1e-4"] if source == "flag" else []
+    with pytest.raises(SFTError, match="Unknown key `learnig_rate`.*Did you mean `learning_rate`"):
+        load_recipe(recipe, flags=flags)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"max_steps": "many"}, "`max_steps`.*expected an integer, got 'many'"),
+    ({"learning_rate": [1]}, "`learning_rate`.*expected a number"),
+    ({"packing": "maybe"}, "`packing`.*expected true or false"),
+    ({"dtype": "fp8"}, "`dtype`.*'fp8' is not one of auto, bfloat16, float16, float32"),
+    ({"lora_target_modules": {"a": 1}}, "`lora_target_modules`.*expected a list"),
+    ({"fp16": True, "bf16": True}, "fp16 and bf16"),
+])
+def test_wrong_value_types_are_reported_with_the_key(values, message):
+    with pytest.raises(SFTError, match=message):
+        load_recipe(values)
+
+
+def test_gpu_only_flags_load_anywhere_and_fail_clearly_at_train_time(tmp_path):
+    config = load_recipe({"bf16": True, "tf32": True, "output_dir": str(tmp_path / "out")})
+    assert config.bf16 is True
+    problems = config.hardware_problems()
+    if problems:  # on a CPU-only machine
+        assert "bf16: true needs a CUDA GPU" in problems[0] and "--bf16 false" in problems[0]
+        from sft.training import train
+
+        with pytest.raises(SFTError, match="bf16"):
+            train(config)
+        assert not (tmp_path / "out").exists()
+
+
+def test_bare_flag_means_true_and_lists_parse():
+    assert parse_flags(["--packing", "--lora_target_modules", "q_proj,v_proj"]) == {
+        "packing": "true", "lora_target_modules": "q_proj,v_proj"}
+    assert load_recipe({}, flags=["--lora_target_modules", "q_proj,v_proj"]).lora_target_modules == ["q_proj", "v_proj"]
+
+
+def test_resolved_recipe_has_no_secrets_and_round_trips(tmp_path):
+    config = load_recipe({"hub_token": "hf_secret", "learning_rate": 3e-4, "output_dir": str(tmp_path)})
+    resolved = resolved_recipe(config)
+    assert "hub_token" not in resolved and "hf_secret" not in str(resolved)
+    assert load_recipe(resolved).learning_rate == 3e-4
+
+
+def test_cli_exits_2_on_a_typo_without_traceback(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 1e-4\n")
+    assert main(["train", str(recipe), "--learnig_rate", "1e-4"]) == 2
+    err = capsys.readouterr().err
+    assert "learning_rate" in err and "Traceback" not in err
+
+
+def test_help_lists_every_recipe_key(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for key in ("--learning_rate", "--model_name_or_path", "--packing", "--dataset_format", "--lora_r"):
+        assert key in out
+    assert "Train only on completions" in out
