@@ -8,6 +8,7 @@ from torch import nn
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, Trainer
 
 from sft.encode import IGNORE_INDEX
+from sft.neftune import NEFTune, token_example_lengths
 
 
 def default_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
@@ -20,6 +21,19 @@ class SFTMixin:
 
     def _init_sft(self) -> None:
         self._tokens_window, self._trained_total, self._window_start = 0, 0, time.perf_counter()
+        # The Trainer's own NEFTune hook scales noise by the padded/packed row length; ours by each example's.
+        self._neftune = NEFTune(self.neftune_noise_alpha) if self.neftune_noise_alpha else None
+        self.neftune_noise_alpha = None
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer.train with the per-example NEFTune hook attached for its duration."""
+        if self._neftune is not None:
+            self._neftune.attach(self.accelerator.unwrap_model(self.model).get_input_embeddings())
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._neftune is not None:
+                self._neftune.detach()
 
     def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -28,6 +42,8 @@ class SFTMixin:
         self._tokens_window += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         if "labels" in inputs:
             self._trained_total += int((inputs["labels"] != IGNORE_INDEX).sum())
+        if self._neftune is not None:
+            self._neftune.lengths = token_example_lengths(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

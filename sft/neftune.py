@@ -1,0 +1,66 @@
+"""NEFTune noisy embeddings that scale by each example's own length, also inside packed rows.
+
+transformers' hook draws noise with magnitude alpha / sqrt(row_length * d): under packing every example then gets
+about sqrt(k) too little noise. Here each token's noise uses the length L_i of the example it belongs to,
+alpha / sqrt(L_i * d), as in the NEFTune paper; padding gets none.
+"""
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def token_example_lengths(inputs: dict[str, Any]) -> torch.Tensor:
+    """[B, T] float tensor: for each token, the length of the example it belongs to (0 for padding).
+
+    Packed and padding-free batches carry position_ids that restart at 0 at every example; padded batches carry an
+    attention_mask.
+    """
+    if "position_ids" in inputs and "attention_mask" not in inputs:
+        return _lengths_from_positions(inputs["position_ids"])
+    mask = inputs.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(inputs["input_ids"])
+    return (mask.sum(dim=1, keepdim=True) * mask).float()
+
+
+def _lengths_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    starts = (position_ids == 0).long()
+    segment = torch.cumsum(starts.flatten(), 0).view_as(position_ids)  # one id per example across the batch
+    counts = torch.bincount(segment.flatten())
+    return counts[segment].float()
+
+
+class NEFTune:
+    """Attach / detach the per-example noise hook on a model's input embeddings."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.lengths: torch.Tensor | None = None  # set before each training forward
+        self._handle: torch.utils.hooks.RemovableHandle | None = None
+
+    def attach(self, embeddings: nn.Module) -> None:
+        """Start adding noise to the embedding output in training mode."""
+        self._handle = embeddings.register_forward_hook(self._hook)
+
+    def detach(self) -> None:
+        """Restore the plain embedding forward."""
+        if self._handle is not None:
+            self._handle.remove()
+        self._handle, self.lengths = None, None
+
+    def _hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        if not module.training or self.lengths is None or self.lengths.shape != output.shape[:2]:
+            return output
+        lengths = self.lengths.to(output.device)
+        scale = self.alpha / torch.sqrt(lengths.clamp(min=1) * output.shape[-1])
+        scale = torch.where(lengths > 0, scale, torch.zeros_like(scale)).to(output.dtype)
+        noise = torch.empty_like(output).uniform_(-1.0, 1.0)
+        return output + noise * scale.unsqueeze(-1)
+
+
+def expected_noise_norm(alpha: float) -> float:
+    """E-norm of one example's noise: sum of L*d uniform(-s, s)^2 terms with s = alpha/sqrt(L*d) is alpha^2/3."""
+    return alpha / math.sqrt(3.0)
