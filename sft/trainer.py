@@ -7,7 +7,9 @@ import torch
 from torch import nn
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, Trainer
 
+from sft import checkpoints
 from sft.encode import IGNORE_INDEX
+from sft.interrupt import StopOnSignal
 from sft.neftune import NEFTune, token_example_lengths
 
 
@@ -24,16 +26,48 @@ class SFTMixin:
         # The Trainer's own NEFTune hook scales noise by the padded/packed row length; ours by each example's.
         self._neftune = NEFTune(self.neftune_noise_alpha) if self.neftune_noise_alpha else None
         self.neftune_noise_alpha = None
+        self.stop_on_signal = StopOnSignal()
+        self.add_callback(self.stop_on_signal)
+        self._staging: str | None = None
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """Trainer.train with the per-example NEFTune hook attached for its duration."""
+        """Trainer.train with per-example NEFTune and signal handling attached for its duration."""
+        if self.is_world_process_zero():
+            checkpoints.remove_stale_staging(self.args.output_dir)
         if self._neftune is not None:
             self._neftune.attach(self.accelerator.unwrap_model(self.model).get_input_embeddings())
+        self.stop_on_signal.install()
         try:
             return super().train(*args, **kwargs)
         finally:
+            self.stop_on_signal.uninstall()
             if self._neftune is not None:
                 self._neftune.detach()
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the last train() stopped early on SIGINT/SIGTERM."""
+        return self.stop_on_signal.signal_name is not None
+
+    def _get_output_dir(self, trial: Any) -> str:
+        return self._staging or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """Write checkpoint-N into a staging folder, then rename it into place and rotate old ones."""
+        run_dir, step = super()._get_output_dir(trial), self.state.global_step
+        self._staging = str(checkpoints.staging_root(run_dir, step))
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging = None
+        self.accelerator.wait_for_everyone()  # every rank has written its shard
+        if self.args.should_save:
+            final = checkpoints.promote(run_dir, step)
+            best = self.state.best_model_checkpoint
+            if best and best.startswith(str(checkpoints.staging_root(run_dir, step))):
+                self.state.best_model_checkpoint = str(final)
+            checkpoints.rotate(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+        self.accelerator.wait_for_everyone()
 
     def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:

@@ -10,8 +10,9 @@ import transformers
 
 from sft.config import SFTConfig
 from sft.dataset import prepare_splits
-from sft.errors import SFTError
+from sft.errors import SFTError, TrainingInterrupted
 from sft.model import load_model, load_tokenizer
+from sft.quantization import check_quantization
 from sft.recipe import save_recipe
 from sft.report import plot_loss, write_model_card
 from sft.stats import DataStats, compute_stats
@@ -39,6 +40,11 @@ def train(config: SFTConfig) -> Path:
                          eval_dataset=eval_data.dataset if eval_data else None)
     output_dir = prepare_output_dir(config, resume)
     result = trainer.train(resume_from_checkpoint=resume)
+    if trainer.interrupted:
+        raise TrainingInterrupted(
+            f"Stopped by {trainer.stop_on_signal.signal_name} at step {trainer.state.global_step}; checkpoint saved in "
+            f"{output_dir}. Resume with the same command plus --resume_from_checkpoint true.",
+            trainer.stop_on_signal.exit_code)
     save_run(trainer, config, stats, result.metrics, has_eval=eval_data is not None)
     return output_dir
 
@@ -55,6 +61,7 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> None:
     problems = config.hardware_problems()
     if problems:
         raise SFTError(problems[0])
+    check_quantization(config)
     out = Path(config.output_dir)
     existing = [m for m in RUN_MARKERS if (out / m).exists()] + [p.name for p in out.glob("checkpoint-*")][:1]
     if existing and not resume and not config.overwrite_output_dir:

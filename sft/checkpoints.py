@@ -1,0 +1,65 @@
+"""Atomic checkpoints: each checkpoint-N is written under a staging folder and renamed into place when complete.
+
+transformers writes checkpoint-N in place, so a crash mid-save leaves a folder that `resume_from_checkpoint=True`
+picks as the latest, and save_total_limit may already have deleted the previous complete one. Staging folders
+(`.staging-N/`) never match the Trainer's `checkpoint-N` pattern, so they are neither resumed from nor rotated.
+"""
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+log = logging.getLogger(__name__)
+STAGING_PREFIX = ".staging-"
+
+
+def staging_root(run_dir: str | Path, step: int) -> Path:
+    """Where checkpoint-`step` is written before it is complete."""
+    return Path(run_dir) / f"{STAGING_PREFIX}{step}"
+
+
+def promote(run_dir: str | Path, step: int) -> Path:
+    """Move a completed staged checkpoint to run_dir/checkpoint-`step` (atomic rename) and drop the staging dir."""
+    staged = staging_root(run_dir, step) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    final = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    _fix_state_paths(staged / "trainer_state.json", str(staged), str(final))
+    if final.exists():  # the same step saved again (e.g. by a resumed run): the new save is complete, replace it
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    _fsync_dir(Path(run_dir))
+    shutil.rmtree(staging_root(run_dir, step), ignore_errors=True)
+    return final
+
+
+def rotate(run_dir: str | Path, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
+    """Delete the oldest complete checkpoints beyond save_total_limit, by step (the newest always stays)."""
+    rotate_checkpoints(str(run_dir), save_total_limit, best_model_checkpoint, use_mtime=False)
+
+
+def remove_stale_staging(run_dir: str | Path) -> None:
+    """Delete staging folders left by a run that died mid-save."""
+    for stale in Path(run_dir).glob(f"{STAGING_PREFIX}*"):
+        log.warning("Removing incomplete checkpoint %s left by an interrupted save.", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fix_state_paths(state_file: Path, staged: str, final: str) -> None:
+    """The Trainer records best_model_checkpoint with the path it saved to; point it at the final folder."""
+    if not state_file.exists():
+        return
+    text = state_file.read_text()
+    if staged in text:
+        state_file.write_text(text.replace(json.dumps(staged)[1:-1], json.dumps(final)[1:-1]))
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the rename durable before older checkpoints are deleted."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,76 @@
+"""Exact resume: a run SIGKILLed at random steps and resumed ends bitwise equal to an uninterrupted run."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import write_json
+
+pytestmark = pytest.mark.slow
+MAX_STEPS = 12
+MODES = {
+    "full": [],
+    "lora": ["--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0.1"],
+    "packed": ["--packing", "true", "--max_length", "96"],
+}
+
+
+def sft_command(recipe: Path, out: Path, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "sft", "train", str(recipe), "--output_dir", str(out), *extra]
+
+
+def run_to_end(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def run_and_kill(command: list[str], out: Path, kill_after: int) -> None:
+    """Start training and SIGKILL it as soon as checkpoint-`kill_after` exists."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out / f"checkpoint-{kill_after}").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def weights(out: Path) -> dict:
+    name = "adapter_model.safetensors" if (out / "adapter_model.safetensors").exists() else "model.safetensors"
+    return load_file(out / name)
+
+
+@pytest.fixture
+def recipe(tmp_path, tiny_model_dir):
+    rows = [{"instruction": f"Add {i} and {i + 3}.", "input": "" if i % 3 else f"{i}, {i + 3}",
+             "output": f"{i} plus {i + 3} is {2 * i + 3}."} for i in range(60)]
+    data = write_json(tmp_path / "data.json", rows)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset: {data}\nmax_length: 128\n"
+                    f"max_steps: {MAX_STEPS}\nper_device_train_batch_size: 4\nlearning_rate: 1.0e-3\n"
+                    "save_strategy: steps\nsave_steps: 1\nsave_total_limit: 2\nlogging_steps: 1\nreport_to: none\n"
+                    "seed: 7\ndataloader_num_workers: 0\n")
+    return path
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path, recipe, mode):
+    extra = MODES[mode]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    run_to_end(sft_command(recipe, reference, extra))
+    kill_points = sorted(random.sample(range(2, MAX_STEPS - 1), 3))
+    print(f"{mode}: SIGKILL after checkpoints {kill_points}")
+    run_and_kill(sft_command(recipe, resumed, extra), resumed, kill_points[0])
+    for point in kill_points[1:]:
+        run_and_kill(sft_command(recipe, resumed, [*extra, "--resume_from_checkpoint", "true"]), resumed, point)
+    run_to_end(sft_command(recipe, resumed, [*extra, "--resume_from_checkpoint", "true"]))
+    expected, actual = weights(reference), weights(resumed)
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        assert tensor.equal(actual[name]), f"{mode}: {name} differs after resume"
