@@ -28,6 +28,10 @@ class SFTConfig(Seq2SeqTrainingArguments):
     attn_implementation: str | None = _help("Attention backend: eager, sdpa, flash_attention_2, flex_attention.")
     trust_remote_code: bool = _help("Run Python code shipped with a Hub model. Off unless you trust the repo.", False)
     revision: str | None = _help("Hub revision (branch, tag or commit) of the model and tokenizer.")
+    cache_dir: str | None = _help("Where downloaded models and tokenizers are cached (default: the HF cache).")
+    pad_token: str | None = _help("Pad token to add when the tokenizer has none (new mean-initialised embedding row); "
+                                  "by default EOS is reused for padding, which is safe because labels are padded "
+                                  "with -100.")
     allow_pickle: bool = _help("Allow loading .bin/.pt (pickle) weights; safetensors only otherwise.", False)
     chat_template: str | None = _help("Chat template: a preset name, a .jinja path or an inline Jinja string.")
 
@@ -37,8 +41,8 @@ class SFTConfig(Seq2SeqTrainingArguments):
         "{path, split, columns, weight}."
     )
     dataset_format: str = _help(
-        "auto, text, alpaca, prompt_completion or messages.", "auto",
-        choices=("auto", "text", "alpaca", "prompt_completion", "messages"),
+        "auto, text, alpaca, prompt_completion, messages or sharegpt.", "auto",
+        choices=("auto", "text", "alpaca", "prompt_completion", "messages", "sharegpt"),
     )
     eval_dataset: Any = _help("Evaluation data, same forms as `dataset`.")
     eval_split_size: float = _help("Hold out this fraction (<1) or number (>=1) of training rows for eval.", 0.0)
@@ -49,6 +53,10 @@ class SFTConfig(Seq2SeqTrainingArguments):
         "Train only on completions (default: true for alpaca and prompt_completion data)."
     )
     assistant_only_loss: bool = _help("Chat data: train only the assistant turns (and their end-of-turn tokens).", True)
+    train_on_last_turn_only: bool = _help("Chat data: train only the last assistant turn; earlier ones are context.",
+                                          False)
+    no_assistant_turn: str = _help("Chat rows without an assistant message: error (stop, naming the row) or drop "
+                                   "(skip and count them).", "error", choices=("error", "drop"))
     dataset_num_proc: int | None = _help("Processes for tokenization (datasets.map num_proc).")
     dataloader_pin_memory: bool = _help("Pin dataloader memory (only useful with a GPU).", torch.cuda.is_available())
     overwrite_output_dir: bool = _help("Replace an existing run in output_dir instead of refusing.", False)

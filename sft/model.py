@@ -32,13 +32,15 @@ def load_tokenizer(config: SFTConfig) -> PreTrainedTokenizerBase:
                                  "tokenizer_name_or_path" if config.tokenizer_name_or_path else "model_name_or_path")
     warn_remote_code(config, name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, revision=config.revision,
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=config.revision, cache_dir=config.cache_dir,
                                                   trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError) as err:
         raise SFTError(f"Could not load the tokenizer of {name}: {str(err).splitlines()[0]}") from None
     if not tokenizer.is_fast:
         raise SFTError(f"The tokenizer of {name} is not a fast tokenizer; sft needs character offsets to build "
                        "loss masks. Convert it with `tokenizers` or pick a model that ships tokenizer.json.")
+    if tokenizer.pad_token is None and config.pad_token:
+        tokenizer.add_special_tokens({"pad_token": config.pad_token})  # embeddings grow when the model loads
     if tokenizer.pad_token is None:
         # Labels are padded with -100 by the collator, never by matching pad ids, so reusing EOS for padding
         # cannot hide the trained EOS token.
@@ -56,7 +58,7 @@ def warn_remote_code(config: SFTConfig, name: str) -> None:
 def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     """The recipe's causal LM (dtype or bitsandbytes quantization), embeddings fit to the tokenizer, LoRA if use_peft."""
     name = check_model_reference(config.model_name_or_path)
-    kwargs = dict(revision=config.revision, trust_remote_code=config.trust_remote_code,
+    kwargs = dict(revision=config.revision, cache_dir=config.cache_dir, trust_remote_code=config.trust_remote_code,
                   use_safetensors=None if config.allow_pickle else True, dtype=DTYPES.get(config.dtype, "auto"))
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation

@@ -16,6 +16,19 @@ from sft.errors import SFTError
 FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig) if f.init}
 # Keys that must never be written to recipe.yaml, model cards or logs.
 SECRET_KEYS = ("hub_token", "token", "push_to_hub_token")
+# Names that older transformers / TRL / Stanford Alpaca used for what is now another key.
+RENAMED = {
+    "evaluation_strategy": "eval_strategy",
+    "warmup_ratio": "warmup_steps",  # a value below 1 is a ratio of the total steps
+    "max_seq_length": "max_length",
+    "model_max_length": "max_length",
+    "data_path": "dataset",
+    "dataset_name": "dataset",
+    "torch_dtype": "dtype",
+    "per_gpu_train_batch_size": "per_device_train_batch_size",
+    "per_gpu_eval_batch_size": "per_device_eval_batch_size",
+    "fsdp_transformer_layer_cls_to_wrap": "fsdp_config: {transformer_layer_cls_to_wrap: [...]}",
+}
 PATH_KEYS = ("model_name_or_path", "tokenizer_name_or_path", "dataset", "eval_dataset", "chat_template", "deepspeed")
 _TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 
@@ -75,6 +88,8 @@ def check_key(key: str, origin: str) -> dataclasses.Field:
     """The SFTConfig field for `key`, or an error naming the nearest valid key."""
     if key in FIELDS:
         return FIELDS[key]
+    if key in RENAMED:
+        raise SFTError(f"Key `{key}` in {origin} was renamed: use `{RENAMED[key]}`.")
     close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.6)
     hint = f" Did you mean `{close[0]}`?" if close else " Run `sft train --help` for the valid keys."
     raise SFTError(f"Unknown key `{key}` in {origin}.{hint}")
@@ -123,9 +138,11 @@ def _convert(value: Any, annotation: Any, from_text: bool) -> Any:
 
 def _convert_union(value: Any, args: tuple, from_text: bool) -> Any:
     """Try each member of a Union in order, None first when the value spells it."""
-    if value is None or (from_text and isinstance(value, str) and value.lower() in ("none", "null")):
-        if type(None) in args:
-            return None
+    # On the command line "null" means None; "none" too, unless the field takes strings ("report_to none").
+    spelled_none = from_text and isinstance(value, str) and (
+        value.lower() == "null" or (value.lower() == "none" and str not in args))
+    if (value is None or spelled_none) and type(None) in args:
+        return None
     errors = []
     for arm in (a for a in args if a is not type(None)):
         try:
