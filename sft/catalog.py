@@ -1,0 +1,69 @@
+"""The recipe catalog, read from the recipe files' own header comments (no hand-kept registry)."""
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+HEADER_FIELDS = ("Data", "Hardware", "Memory", "Launch")
+
+
+@dataclass
+class RecipeInfo:
+    """What a recipe's header says about it."""
+
+    name: str
+    path: Path
+    description: str
+    fields: dict[str, str]
+
+    @property
+    def launch_argv(self) -> list[str]:
+        """The header's launch command split as a shell would split it."""
+        return shlex.split(self.fields.get("Launch", ""))
+
+
+def default_root() -> Path:
+    """./recipes when run from a checkout, else the recipes folder beside the installed package."""
+    here = Path("recipes")
+    return here if here.is_dir() else Path(__file__).resolve().parents[1] / "recipes"
+
+
+def read_header(path: Path, root: Path) -> RecipeInfo:
+    """Parse the leading comments: a description line, `Key: value` lines, indented lines continue a value."""
+    fields: dict[str, str] = {}
+    description, key = "", None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        text = line[1:].strip()
+        head, sep, rest = text.partition(":")
+        if line.startswith("#   ") and key:
+            fields[key] += " " + text
+        elif sep and head in HEADER_FIELDS:
+            key, fields[head] = head, rest.strip()
+        else:
+            key = None
+            description = description or text
+    return RecipeInfo(str(path.relative_to(root).with_suffix("")), path, description, fields)
+
+
+def list_recipes(root: Path | None = None) -> list[RecipeInfo]:
+    """Every training recipe under `root` (launcher presets in accelerate/ and deepspeed/ excluded)."""
+    root = root or default_root()
+    paths = sorted(p for p in root.rglob("*.yaml") if p.relative_to(root).parts[0] not in ("accelerate", "deepspeed"))
+    return [read_header(p, root) for p in paths]
+
+
+def recipes_table(recipes: list[RecipeInfo]) -> str:
+    """A readable fixed-width table: name, hardware, description."""
+    rows = [("recipe", "hardware", "description")] + [
+        (r.name, r.fields.get("Hardware", "-"), r.description) for r in recipes]
+    widths = [min(max(len(row[i]) for row in rows), cap) for i, cap in enumerate((40, 34, 200))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*(_clip(v, w) for v, w in zip(row, widths))).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
