@@ -53,8 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     data = add_recipe_verb(verbs, "data", "tokenize a recipe's data and print its statistics", run_data)
     data.add_argument("--show", type=int, default=0, metavar="N", help="render N examples, trained tokens marked")
     data.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    verbs.add_parser("alpaca", help="Stanford Alpaca train.py command line (same flags)", add_help=False).set_defaults(
+        run=run_alpaca)
     add_recipe_verb(verbs, "eval", "teacher-forced eval loss (and perplexity) of a recipe's model on its eval set",
                     run_eval)
+    add_inference_verbs(verbs)
+    add_recipe_verb(verbs, "check", "dry-run a recipe on CPU with a tiny model of its architecture", run_check)
+    listing = verbs.add_parser("recipes", help="list the shipped recipes")
+    listing.add_argument("--dir", help="recipes folder (default: ./recipes, else the one beside the package)")
+    listing.set_defaults(run=run_recipes)
     return parser
 
 
@@ -123,3 +130,114 @@ def run_eval(args: argparse.Namespace, rest: list[str]) -> None:
 
     metrics = evaluate(load_recipe(args.recipe, flags=rest))
     print("\n".join(f"{k:<28} {v:.6g}" if isinstance(v, float) else f"{k:<28} {v}" for k, v in metrics.items()))
+
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+def add_inference_verbs(verbs: argparse._SubParsersAction) -> None:
+    """sft merge, sft generate and sft chat: verbs on a trained model or adapter folder."""
+    merge = verbs.add_parser("merge", help="merge a LoRA adapter into its base model",
+                             description="Merge a LoRA adapter into the base model named in its adapter_config.json "
+                                         "and save a plain transformers model (safetensors, tokenizer, chat template).")
+    merge.add_argument("adapter_dir", help="output_dir (or checkpoint-N folder) of a use_peft run")
+    merge.add_argument("output_dir", help="folder for the merged model (must be empty unless --overwrite)")
+    merge.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="weights dtype (auto: the base's)")
+    merge.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty output_dir")
+    merge.add_argument("--base_model", help="merge into this base instead of the one in adapter_config.json")
+    merge.set_defaults(run=run_merge)
+    generate = verbs.add_parser("generate", help="generate a reply to one prompt",
+                                description="Generate a reply to --prompt with the model's chat template, or the "
+                                            "Alpaca prompt when it has none, and print it.")
+    add_generation_options(generate)
+    generate.add_argument("--prompt", required=True, help="the user message")
+    generate.set_defaults(run=run_generate)
+    chat = verbs.add_parser("chat", help="chat with a model interactively",
+                            description="Chat with a model, replies streamed. /reset clears the conversation, "
+                                        "/exit quits. Reads stdin line by line, so it also works on a pipe.")
+    add_generation_options(chat)
+    chat.set_defaults(run=run_chat)
+
+
+def add_generation_options(sub: argparse.ArgumentParser) -> None:
+    """The model folder and decoding options shared by generate and chat."""
+    sub.add_argument("model_dir", help="a model folder, or an adapter folder (its base is loaded too)")
+    sub.add_argument("--max_new_tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    sub.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
+    sub.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do_sample)")
+    sub.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling mass (with --do_sample)")
+    sub.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
+    sub.add_argument("--system", help="system prompt (chat templates only)")
+    sub.add_argument("--template", choices=("auto", "chat", "alpaca"), default="auto",
+                     help="prompt format: the tokenizer's chat template, or the Alpaca prompt that alpaca data trains "
+                          "on (auto: the chat template if the tokenizer has one)")
+    sub.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="weights dtype (auto: as saved)")
+    sub.add_argument("--base_model", help="for adapters: use this base instead of the one in adapter_config.json")
+
+
+def reject_extra(rest: list[str]) -> None:
+    """Recipe verbs take --key value overrides; these verbs take only their own options."""
+    if rest:
+        raise SFTError(f"unrecognized arguments: {' '.join(rest)} (see --help)")
+
+
+def run_merge(args: argparse.Namespace, rest: list[str]) -> None:
+    """sft merge ADAPTER_DIR OUTPUT_DIR [--dtype D] [--overwrite] [--base_model M]"""
+    from sft.export import merge_adapter
+
+    reject_extra(rest)
+    out = merge_adapter(args.adapter_dir, args.output_dir, args.dtype, args.overwrite, args.base_model)
+    log.info("Done. Load it with AutoModelForCausalLM.from_pretrained(%r)", str(out))
+
+
+def load_for_verb(args: argparse.Namespace, rest: list[str]) -> tuple:
+    """(model, tokenizer, options) for generate and chat."""
+    from sft.generation import GenerationOptions, load_for_inference
+
+    reject_extra(rest)
+    model, tokenizer = load_for_inference(args.model_dir, args.dtype, args.base_model)
+    options = GenerationOptions(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                template=args.template)
+    return model, tokenizer, options
+
+
+def run_generate(args: argparse.Namespace, rest: list[str]) -> None:
+    """sft generate MODEL_OR_ADAPTER_DIR --prompt TEXT [decoding options]"""
+    from sft.generation import generate, start_conversation
+
+    model, tokenizer, options = load_for_verb(args, rest)
+    messages = start_conversation(args.system) + [{"role": "user", "content": args.prompt}]
+    print(generate(model, tokenizer, messages, options))
+
+
+def run_chat(args: argparse.Namespace, rest: list[str]) -> None:
+    """sft chat MODEL_OR_ADAPTER_DIR [decoding options]"""
+    from sft.generation import chat
+
+    model, tokenizer, options = load_for_verb(args, rest)
+    chat(model, tokenizer, options, system=args.system)
+
+
+def run_alpaca(args: argparse.Namespace, rest: list[str]) -> int:
+    """sft alpaca --model_name_or_path M --data_path D ... (Stanford Alpaca train.py flags)"""
+    from sft.alpaca import main as alpaca_main
+
+    return alpaca_main(rest)
+
+
+def run_recipes(args: argparse.Namespace, rest: list[str]) -> None:
+    """sft recipes [--dir DIR]"""
+    from pathlib import Path
+
+    from sft.catalog import list_recipes, recipes_table
+
+    reject_extra(rest)
+    print(recipes_table(list_recipes(Path(args.dir) if args.dir else None)))
+
+
+def run_check(args: argparse.Namespace, rest: list[str]) -> None:
+    """sft check RECIPE [--key value ...]"""
+    from sft.check import check_recipe
+
+    print(check_recipe(args.recipe, flags=rest).table())

@@ -96,6 +96,8 @@ class SFTConfig(Seq2SeqTrainingArguments):
     max_new_tokens: int | None = _help("Tokens to generate per eval prompt (default: generation_max_length or 128).")
     metrics: list[str] | None = _help("Generation metrics: exact_match, rouge, bleu, or module.path:function.")
 
+    recipe_keys: list[str] = field(default_factory=list, init=False, repr=False)  # the keys the user set
+
     def __post_init__(self) -> None:
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are both true; pick one (bf16 on Ampere or newer GPUs, else fp16)")

@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerBase
 from sft.config import SFTConfig
 from sft.encode import Encoding
 from sft.errors import SFTError
-from sft.formats import Rendered, check_columns, default_completion_only, detect_format, row_renderer
+from sft.formats import CHAT_FORMATS, Rendered, check_columns, default_completion_only, detect_format, row_renderer
 from sft.sources import Source, load_source, parse_sources, repeat_by_weight
 
 TOKEN_COLUMNS = ["input_ids", "labels", "length"]
@@ -74,7 +74,7 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
         raise SFTError(f"Dataset {source.label} has no rows.")
     fmt = resolve_format(config, raw.column_names, source.label)
     formats.add(fmt)
-    render = make_renderer(config, fmt, tokenizer)
+    render = make_renderer(config, fmt, tokenizer, raw)
     encoding = Encoding(tokenizer, config.max_length, config.truncation_side)
     tokenized = raw.map(
         encode_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
@@ -99,13 +99,15 @@ def resolve_format(config: SFTConfig, columns: list[str], where: str) -> str:
     return fmt
 
 
-def make_renderer(config: SFTConfig, fmt: str, tokenizer: PreTrainedTokenizerBase) -> Callable:
-    """The row -> Rendered function for this format."""
+def make_renderer(config: SFTConfig, fmt: str, tokenizer: PreTrainedTokenizerBase, raw: datasets.Dataset) -> Callable:
+    """The row -> Rendered function for this format; chat data renders through the chat template."""
+    conversational = fmt in CHAT_FORMATS or (fmt == "prompt_completion" and isinstance(raw[0]["prompt"], list))
     chat = None
-    if fmt == "messages":
+    if conversational:
         from sft.chat import ChatRenderer
 
-        chat = ChatRenderer(tokenizer, config.chat_template, config.assistant_only_loss)
+        chat = ChatRenderer(tokenizer, config.chat_template, config.assistant_only_loss,
+                            config.train_on_last_turn_only, config.no_assistant_turn)
     return row_renderer(fmt, bool(config.completion_only_loss), chat)
 
 

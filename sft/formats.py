@@ -21,10 +21,12 @@ ALPACA_PROMPT_NO_INPUT = (
 # Columns each format needs, in detection order (the first format whose columns are all present wins).
 REQUIRED_COLUMNS = {
     "messages": ("messages",),
+    "sharegpt": ("conversations",),
     "alpaca": ("instruction", "output"),
     "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
 }
+CHAT_FORMATS = ("messages", "sharegpt")  # rendered by sft.chat.ChatRenderer through a chat template
 
 
 @dataclass
@@ -118,9 +120,16 @@ def default_completion_only(fmt: str) -> bool:
     return fmt in ("alpaca", "prompt_completion")
 
 
-def row_renderer(fmt: str, completion_only: bool, chat: Any = None) -> Callable[[dict, str, int], Rendered]:
-    """A function row -> Rendered for `fmt`; chat formats render through `chat` (a sft.chat.ChatRenderer)."""
-    if fmt == "messages":
+def row_renderer(fmt: str, completion_only: bool, chat: Any = None) -> Callable[[dict, str, int], Rendered | None]:
+    """A function row -> Rendered | None for `fmt`; chat formats render through `chat` (a sft.chat.ChatRenderer).
+
+    The chat renderer returns None for a row it drops (no assistant turn with `no_assistant_turn: drop`).
+    prompt_completion rows whose prompt is a message list (conversational) also go through `chat` when given.
+    """
+    if fmt in CHAT_FORMATS:
         return chat.render_row
     render = RENDERERS[fmt]
+    if fmt == "prompt_completion" and chat is not None:
+        return lambda row, where, number: (chat.render_row(row, where, number) if isinstance(row.get("prompt"), list)
+                                           else render(row, where, number, completion_only))
     return lambda row, where, number: render(row, where, number, completion_only)

@@ -39,6 +39,8 @@ def load_tokenizer(config: SFTConfig) -> PreTrainedTokenizerBase:
     if not tokenizer.is_fast:
         raise SFTError(f"The tokenizer of {name} is not a fast tokenizer; sft needs character offsets to build "
                        "loss masks. Convert it with `tokenizers` or pick a model that ships tokenizer.json.")
+    if config.chat_template:
+        apply_chat_template(tokenizer, config.chat_template)
     if tokenizer.pad_token is None and config.pad_token:
         tokenizer.add_special_tokens({"pad_token": config.pad_token})  # embeddings grow when the model loads
     if tokenizer.pad_token is None:
@@ -47,6 +49,17 @@ def load_tokenizer(config: SFTConfig) -> PreTrainedTokenizerBase:
         tokenizer.pad_token = tokenizer.eos_token
         log.info("The tokenizer has no pad token; padding with %s (labels are padded with -100).", tokenizer.eos_token)
     return tokenizer
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str) -> None:
+    """Set the recipe's chat template on the tokenizer (saved with it); presets add their special tokens."""
+    from sft.chat_templates import PRESETS, prepare_tokenizer_for_template, resolve_chat_template
+
+    tokenizer.chat_template = resolve_chat_template(chat_template, tokenizer)
+    if chat_template in PRESETS:
+        new_tokens = prepare_tokenizer_for_template(tokenizer, chat_template)
+        if new_tokens:
+            log.info("Added %s for the %s chat template; embeddings grow to fit.", ", ".join(new_tokens), chat_template)
 
 
 def warn_remote_code(config: SFTConfig, name: str) -> None:

@@ -115,7 +115,7 @@ def _convert(value: Any, annotation: Any, from_text: bool) -> Any:
         return yaml.safe_load(value) if from_text and isinstance(value, str) else value
     if origin in (typing.Union, types.UnionType):
         return _convert_union(value, args, from_text)
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+    if origin is None and isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return annotation(value).value if not isinstance(value, annotation) else value
     if typing.get_origin(annotation) is typing.Literal:
         if value not in args:
@@ -221,14 +221,14 @@ def build_config(values: dict) -> SFTConfig:
         config = SFTConfig(**values)
     except (ValueError, TypeError) as err:
         raise SFTError(f"Invalid recipe: {err}") from None
-    config._recipe_keys = sorted(values)
+    config.recipe_keys = sorted(values)
     return config
 
 
 def resolved_recipe(config: SFTConfig) -> dict:
     """The recipe keys that define this run (user-set and SFT fields), without secrets, for recipe.yaml."""
     sft_fields = [f.name for f in dataclasses.fields(SFTConfig) if f.name not in _TRAINING_ARGUMENT_FIELDS]
-    keys = dict.fromkeys([*getattr(config, "_recipe_keys", []), *sft_fields, "seed", "output_dir"])
+    keys = dict.fromkeys([*config.recipe_keys, *sft_fields, "seed", "output_dir"])
     out = {}
     for key in keys:
         if key in SECRET_KEYS or key not in FIELDS:

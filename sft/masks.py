@@ -1,0 +1,62 @@
+"""Show tokenized examples with their trained tokens marked, for `sft data --show N`."""
+
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+IGNORE_INDEX = -100
+GREEN, RESET = "\033[1;32m", "\033[0m"  # bold green for trained text; plain for context
+OPEN, CLOSE = "[[", "]]"  # the same marks for log files and pipes
+
+
+def show_examples(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: int, color: bool) -> str:
+    """The first n examples (input_ids + labels) as text, trained tokens highlighted, with per-run token counts."""
+    count = min(n, len(dataset))
+    blocks = [_show_one(dataset[i], tokenizer, i + 1, count, color) for i in range(count)]
+    return "\n\n".join(blocks)
+
+
+def _show_one(example: dict, tokenizer: PreTrainedTokenizerBase, number: int, count: int, color: bool) -> str:
+    """One example: a header with counts, the marked text, and the size of each trained run."""
+    ids, labels = list(example["input_ids"]), list(example["labels"])
+    runs = _runs([label != IGNORE_INDEX for label in labels])
+    pieces = _run_texts(ids, runs, tokenizer)
+    trained_runs = [(end - start) for (start, end, trained) in runs if trained]
+    trained = sum(trained_runs)
+    share = f"{100 * trained / len(ids):.1f}%" if ids else "0%"
+    header = f"=== example {number}/{count}: {len(ids)} tokens, {trained} trained ({share}) ==="
+    body = "".join(_mark(text, color) if run[2] else text for run, text in zip(runs, pieces))
+    legend = "trained tokens per turn: " + (", ".join(f"#{k} {size}" for k, size in enumerate(trained_runs, 1))
+                                            if trained_runs else "none")
+    return f"{header}\n{body}\n--- {legend}"
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int, bool]]:
+    """Maximal runs [start, end) of equal flags; each contiguous trained run is one turn (or completion)."""
+    runs: list[tuple[int, int, bool]] = []
+    for i, flag in enumerate(flags):
+        if runs and runs[-1][2] == flag:
+            runs[-1] = (runs[-1][0], i + 1, flag)
+        else:
+            runs.append((i, i + 1, flag))
+    return runs
+
+
+def _run_texts(ids: list[int], runs: list[tuple[int, int, bool]], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The text of each run, cut from decodes of growing prefixes so spaces at run boundaries are kept."""
+    texts, previous = [], ""
+    for start, end, _ in runs:
+        decoded = tokenizer.decode(ids[:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if decoded.startswith(previous):
+            texts.append(decoded[len(previous):])
+        else:  # a decoder that rewrites earlier text (rare): fall back to decoding the run alone
+            texts.append(tokenizer.decode(ids[start:end], skip_special_tokens=False))
+        previous = decoded
+    return texts
+
+
+def _mark(text: str, color: bool) -> str:
+    """Highlight trained text; colour is reset before each newline so a terminal does not bleed it."""
+    if color:
+        return GREEN + text.replace("\n", f"{RESET}\n{GREEN}") + RESET
+    return OPEN + text + CLOSE
