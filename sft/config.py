@@ -68,6 +68,9 @@ class SFTConfig(Seq2SeqTrainingArguments):
     padding_free: bool = _help("Flatten each batch into one row with per-example position ids (no padding).", False)
     eval_packing: bool | None = _help("Pack eval data too (default: same as packing).")
 
+    chunked_loss: bool = _help("Compute the LM head and loss only at trained positions, in chunks (exact; less "
+                               "memory and compute). Used for plain-head causal LMs outside FSDP/DeepSpeed.", True)
+
     # PEFT (LoRA / DoRA / rsLoRA)
     use_peft: bool = _help("Train a LoRA adapter instead of all weights.", False)
     lora_r: int = _help("LoRA rank.", 16)

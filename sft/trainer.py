@@ -10,6 +10,7 @@ from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, Traine
 from sft import checkpoints
 from sft.encode import IGNORE_INDEX
 from sft.interrupt import StopOnSignal
+from sft.loss import chunked_causal_loss, reference_causal_loss, supports_chunked_loss
 from sft.neftune import NEFTune, token_example_lengths
 
 
@@ -29,6 +30,7 @@ class SFTMixin:
         self.stop_on_signal = StopOnSignal()
         self.add_callback(self.stop_on_signal)
         self._staging: str | None = None
+        self._eval_sums = torch.zeros(2)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer.train with per-example NEFTune and signal handling attached for its duration."""
@@ -43,6 +45,48 @@ class SFTMixin:
             self.stop_on_signal.uninstall()
             if self._neftune is not None:
                 self._neftune.detach()
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """Training: the chunked trained-positions loss where exact; eval: also accumulate token-weighted sums."""
+        if model.training and not return_outputs and self._chunked_loss_applies(model, inputs):
+            loss = chunked_causal_loss(model, inputs, num_items_in_batch)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * self.accelerator.num_processes  # num_items_in_batch counts every rank's tokens
+            return loss
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if not model.training and return_outputs and "labels" in inputs:
+            self._add_eval_tokens(result[1], inputs["labels"])
+        return result
+
+    def _chunked_loss_applies(self, model: nn.Module, inputs: dict[str, Any]) -> bool:
+        unwrapped = self.accelerator.unwrap_model(model)
+        return (self.args.chunked_loss and "labels" in inputs and not self.is_fsdp_enabled
+                and not self.is_deepspeed_enabled and supports_chunked_loss(unwrapped))
+
+    def _add_eval_tokens(self, outputs: Any, labels: torch.Tensor) -> None:
+        """Sum of token losses and trained-token count, so eval loss is a token mean however rows are grouped."""
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
+        shifted = not self.accelerator.unwrap_model(self.model).config.is_encoder_decoder
+        if shifted:
+            total = reference_causal_loss(logits.float(), labels, 1)
+            count = (labels[:, 1:] != IGNORE_INDEX).sum()
+        else:
+            total = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                                ignore_index=IGNORE_INDEX, reduction="sum")
+            count = (labels != IGNORE_INDEX).sum()
+        self._eval_sums += torch.stack([total.detach().float(), count.float()]).to(self._eval_sums.device)
+
+    def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
+        """Trainer.evaluation_loop with `<prefix>_loss` replaced by the exact mean over trained tokens."""
+        self._eval_sums = torch.zeros(2, device=self.args.device)
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        sums = self.accelerator.reduce(self._eval_sums, reduction="sum")
+        prefix = metric_key_prefix
+        if sums[1] > 0 and f"{prefix}_loss" in output.metrics:
+            output.metrics[f"{prefix}_loss"] = float(sums[0] / sums[1])
+        return output
 
     @property
     def interrupted(self) -> bool:

@@ -1,0 +1,49 @@
+"""The chunked trained-positions loss equals the plain full-logits loss, in value and in gradients."""
+
+import pytest
+import torch
+
+from conftest import make_llama
+from sft.encode import IGNORE_INDEX
+from sft.loss import CHUNK_TOKENS, LinearCrossEntropy, chunked_causal_loss, reference_causal_loss
+
+
+def batch(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (3, 20), generator=g)
+    labels = ids.clone()
+    labels[0, :12] = IGNORE_INDEX
+    labels[1, :3] = IGNORE_INDEX
+    labels[2, 15:] = IGNORE_INDEX
+    labels[:, 0] = IGNORE_INDEX
+    mask = torch.ones_like(ids)
+    mask[2, 15:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("normalizer", [None, 97])
+def test_chunked_loss_and_gradients_equal_the_plain_ones(normalizer, monkeypatch):
+    monkeypatch.setattr("sft.loss.CHUNK_TOKENS", 7)  # several chunks, a ragged last one
+    model = make_llama(300)
+    inputs = batch(300)
+    trained = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
+    plain = reference_causal_loss(model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits,
+                                  inputs["labels"], normalizer or trained)
+    plain.backward()
+    expected = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    chunked = chunked_causal_loss(model, inputs, normalizer)
+    chunked.backward()
+    assert torch.allclose(chunked, plain, atol=1e-6)
+    for name, param in model.named_parameters():
+        assert torch.allclose(param.grad, expected[name], atol=1e-6), name
+
+
+def test_frozen_head_gets_no_gradient_but_hidden_does():
+    hidden = torch.randn(10, 8, requires_grad=True)
+    weight = torch.randn(50, 8)
+    targets = torch.randint(0, 50, (10,))
+    loss = LinearCrossEntropy.apply(hidden, weight, targets, torch.tensor(10.0), CHUNK_TOKENS)
+    loss.backward()
+    reference = torch.nn.functional.cross_entropy(hidden.detach().requires_grad_() @ weight.T, targets)
+    assert torch.allclose(loss, reference, atol=1e-6) and hidden.grad is not None and weight.grad is None
