@@ -1,5 +1,6 @@
 """SFTConfig: transformers (Seq2Seq)TrainingArguments plus the model, data and SFT fields a recipe can set."""
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,11 @@ class SFTConfig(Seq2SeqTrainingArguments):
     recipe_keys: list[str] = field(default_factory=list, init=False, repr=False)  # the keys the user set
 
     def __post_init__(self) -> None:
+        if self.hub_token:
+            # The Trainer pickles its arguments into every checkpoint (training_args.bin); a token kept here would
+            # land on disk. huggingface_hub reads HF_TOKEN, so hand it over through the environment instead.
+            os.environ["HF_TOKEN"] = self.hub_token
+            self.hub_token = None
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are both true; pick one (bf16 on Ampere or newer GPUs, else fp16)")
         deferred = {name: getattr(self, name) for name in GPU_ONLY_FLAGS if getattr(self, name)}
