@@ -10,7 +10,8 @@ def describe_data(config: SFTConfig, show: int = 0, color: bool = False) -> tupl
     """Training-data stats and (when show > 0) the first `show` examples with trained tokens marked."""
     tokenizer = load_tokenizer(config)
     train, _ = prepare_splits(config, tokenizer)
-    stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows)
+    stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows,
+                          config.packing_strategy if config.packing else None)
     if not show:
         return stats, ""
     from sft.masks import show_examples

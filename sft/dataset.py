@@ -1,5 +1,6 @@
 """build_datasets: recipe sources -> tokenized train/eval datasets with input_ids and labels (-100 = not trained)."""
 
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,8 +75,16 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
         raise SFTError(f"Dataset {source.label} has no rows.")
     fmt = resolve_format(config, raw.column_names, source.label)
     formats.add(fmt)
-    render = make_renderer(config, fmt, tokenizer, raw)
-    encoding = Encoding(tokenizer, config.max_length, config.truncation_side)
+    from sft.model import is_encoder_decoder  # deferred: keeps `import sft.dataset` light
+
+    if is_encoder_decoder(config):  # T5, BART, ...: source -> encoder input_ids, target + EOS -> labels
+        from sft.seq2seq import Seq2SeqEncoding, pair_renderer
+
+        render, encoding = pair_renderer(fmt), Seq2SeqEncoding(tokenizer, config.max_length, config.truncation_side)
+    else:
+        render = make_renderer(config, fmt, tokenizer, raw)
+        splits = config.packing and config.packing_strategy == "bfd_split"  # the packer cuts long examples into chunks
+        encoding = Encoding(tokenizer, sys.maxsize if splits else config.max_length, config.truncation_side)
     tokenized = raw.map(
         encode_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
         num_proc=config.dataset_num_proc, desc=f"Tokenizing {source.label}",

@@ -4,9 +4,10 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, PretrainedConfig,
+                          PreTrainedModel, PreTrainedTokenizerBase)
 
-from sft.adapters import add_adapter
+from sft.adapters import add_adapter, base_model_name, is_adapter_folder, load_trained_adapter
 from sft.config import SFTConfig
 from sft.errors import SFTError
 from sft.quantization import quantized_loading
@@ -69,21 +70,27 @@ def warn_remote_code(config: SFTConfig, name: str) -> None:
 
 
 def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """The recipe's causal LM (dtype or bitsandbytes quantization), embeddings fit to the tokenizer, LoRA if use_peft."""
+    """The recipe's causal or encoder-decoder LM (dtype or bitsandbytes quantization), embeddings fit to the
+    tokenizer, LoRA if use_peft."""
     name = check_model_reference(config.model_name_or_path)
+    adapter = name if is_adapter_folder(name) else None  # a use_peft run: load its base, then the adapter on it
+    name = base_model_name(adapter) if adapter else name
     kwargs = dict(revision=config.revision, cache_dir=config.cache_dir, trust_remote_code=config.trust_remote_code,
                   use_safetensors=None if config.allow_pickle else True, dtype=DTYPES.get(config.dtype, "auto"))
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
     kwargs.update(quantized_loading(config))
+    auto = AutoModelForSeq2SeqLM if load_model_config(config, name).is_encoder_decoder else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        model = auto.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as err:
         raise SFTError(f"Could not load the model {name}: {str(err).splitlines()[0]}"
                        + (" (sft loads safetensors only; set allow_pickle: true to load .bin weights you trust)"
                           if "safetensors" in str(err) else "")) from None
     model.config.use_cache = False  # a KV cache during training defeats packed-sequence isolation and wastes memory
     new_ids = fit_embeddings(model, tokenizer)
+    if adapter:
+        return load_trained_adapter(model, adapter, config)
     if config.use_peft:
         return add_adapter(model, config, new_ids)
     return model
@@ -100,8 +107,20 @@ def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     return list(range(old_rows, len(tokenizer)))
 
 
-def model_type(config: SFTConfig) -> str:
-    """The model_type of the recipe's model, read from its config without loading weights."""
-    name = check_model_reference(config.model_name_or_path)
-    return AutoConfig.from_pretrained(name, revision=config.revision,
-                                      trust_remote_code=config.trust_remote_code).model_type
+def load_model_config(config: SFTConfig, name: str | None = None) -> PretrainedConfig:
+    """The recipe's model config (or that of model `name`), read without loading weights."""
+    name = name or check_model_reference(config.model_name_or_path)
+    try:
+        return AutoConfig.from_pretrained(name, revision=config.revision, cache_dir=config.cache_dir,
+                                          trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise SFTError(f"Could not read the config of {name}: {str(err).splitlines()[0]}") from None
+
+
+def is_encoder_decoder(config: SFTConfig) -> bool:
+    """Whether the recipe's model (an adapter folder's base) is an encoder-decoder such as T5 or BART."""
+    name = config.model_name_or_path
+    if name is None:
+        return False  # data prepared with an explicit tokenizer and no model
+    name = base_model_name(name) if is_adapter_folder(name) else check_model_reference(name)
+    return load_model_config(config, name).is_encoder_decoder

@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from sft.encode import IGNORE_INDEX
+from sft.packing import estimate_packing
 
 
 @dataclass
@@ -43,14 +44,21 @@ def _fmt(key: str, value: float | int) -> str:
     return f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
 
 
-def compute_stats(dataset: datasets.Dataset, max_length: int, dropped_rows: int = 0,
-                  truncated_rows: int = 0) -> DataStats:
-    """Stats of a tokenized dataset with input_ids, labels and length columns (vectorised over Arrow)."""
+def compute_stats(dataset: datasets.Dataset, max_length: int, dropped_rows: int = 0, truncated_rows: int = 0,
+                  packing_strategy: str | None = None) -> DataStats:
+    """Stats of a tokenized dataset with input_ids, labels and length columns (vectorised over Arrow).
+
+    With a packing_strategy, packed_rows and packing_efficiency say what packing into max_length rows gives.
+    """
     table = dataset.select_columns(["length", "labels"]).with_format("arrow")[:]  # honours any row selection
     lengths = np.asarray(table.column("length").to_numpy(), dtype=np.int64)
     labels = pc.list_flatten(table.column("labels"))
     trained = int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
     p50, p95 = (np.percentile(lengths, [50, 95]) if lengths.size else (0.0, 0.0))
-    return DataStats(rows=len(dataset), tokens=int(lengths.sum()), trained_tokens=trained,
-                     dropped_rows=dropped_rows, truncated_rows=truncated_rows, length_p50=float(p50),
-                     length_p95=float(p95), length_max=int(lengths.max(initial=0)), max_length=max_length)
+    stats = DataStats(rows=len(dataset), tokens=int(lengths.sum()), trained_tokens=trained,
+                      dropped_rows=dropped_rows, truncated_rows=truncated_rows, length_p50=float(p50),
+                      length_p95=float(p95), length_max=int(lengths.max(initial=0)), max_length=max_length)
+    if packing_strategy:
+        packed = estimate_packing(lengths, max_length, packing_strategy)
+        stats.packed_rows, stats.packing_efficiency = packed.packed_rows, packed.packing_efficiency
+    return stats

@@ -1,26 +1,55 @@
-"""SFTTrainer: transformers.Trainer with SFT batching, token-normalised loss and throughput logging."""
+"""SFTTrainer / Seq2SeqSFTTrainer: transformers' trainers with SFT batching, token-normalised loss, throughput
+logging and generation-based evaluation (sft.predict)."""
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, Trainer
+from transformers import (DataCollatorForSeq2Seq, PreTrainedTokenizerBase, Seq2SeqTrainer, Seq2SeqTrainingArguments,
+                          Trainer)
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.integrations.fsdp import is_fsdp_managed_module
 
 from sft import checkpoints
+from sft.config import SFTConfig
 from sft.encode import IGNORE_INDEX
 from sft.interrupt import StopOnSignal
 from sft.loss import chunked_causal_loss, reference_causal_loss, supports_chunked_loss
+from sft.metrics import compute_metrics, resolve_metrics
 from sft.neftune import NEFTune, token_example_lengths
+from sft.predict import PromptGenerator, eval_generation_config, write_predictions
+from sft.seq2seq import seq2seq_token_loss
+from sft.packing import PackedCollator, PaddingFreeCollator
 
 
-def default_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
-    """Right-pad input_ids with the pad id and labels with -100, so padding never hides a trained EOS."""
+def default_collator(tokenizer: PreTrainedTokenizerBase, args: Any) -> Any:
+    """Batches for the recipe's layout; padding never hides a trained EOS (labels are padded with -100).
+
+    Packed rows keep examples apart with restarting position_ids and no attention mask, one batch row per packed
+    row (a [B, L] mask, not one quadratic [B*L]^2 mask); padding-free batches and flash attention (which needs
+    cu_seq_lens) get one flattened row.
+    """
+    packs = args.packing or bool(args.eval_packing)
+    if args.padding_free or (packs and "flash" in (args.attn_implementation or "")):
+        return PaddingFreeCollator()
+    if packs:
+        return PackedCollator(tokenizer.pad_token_id)
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
 
 
 class SFTMixin:
-    """The SFT layer shared by SFTTrainer and its Seq2Seq sibling: token accounting and throughput logs."""
+    """The SFT layer shared by SFTTrainer and Seq2SeqSFTTrainer: token-normalised loss, token accounting,
+    throughput logs, atomic checkpoints and generation-based evaluation."""
+
+    def __init__(self, model: nn.Module, args: Any, processing_class: PreTrainedTokenizerBase | None = None,
+                 data_collator: Any = None, **kwargs: Any) -> None:
+        if data_collator is None and processing_class is not None:
+            data_collator = default_collator(processing_class, args)
+        super().__init__(model=model, args=args, processing_class=processing_class,
+                         data_collator=data_collator, **kwargs)
+        self._init_sft()
 
     def _init_sft(self) -> None:
         self._tokens_window, self._trained_total, self._window_start = 0, 0, time.perf_counter()
@@ -31,6 +60,13 @@ class SFTMixin:
         self.add_callback(self.stop_on_signal)
         self._staging: str | None = None
         self._eval_sums = torch.zeros(2)
+        generating = isinstance(self.args, Seq2SeqTrainingArguments) and self.args.predict_with_generate
+        # Unknown metric names or a bad import path fail here, before any training step.
+        self._metric_fns = resolve_metrics(self.args.metrics if isinstance(self.args, SFTConfig) else None
+                                           ) if generating else []
+        self._generator: PromptGenerator | None = None
+        self._gen_overrides: dict[str, Any] = {}
+        self._predictions: list[dict[str, str]] = []
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer.train with per-example NEFTune and signal handling attached for its duration."""
@@ -54,6 +90,11 @@ class SFTMixin:
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                 loss = loss * self.accelerator.num_processes  # num_items_in_batch counts every rank's tokens
             return loss
+        if model.training and not return_outputs and self._seq2seq_loss_applies(model, inputs):
+            loss = seq2seq_token_loss(model, inputs, num_items_in_batch)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * self.accelerator.num_processes
+            return loss
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if not model.training and return_outputs and "labels" in inputs:
             self._add_eval_tokens(result[1], inputs["labels"])
@@ -63,6 +104,12 @@ class SFTMixin:
         unwrapped = self.accelerator.unwrap_model(model)
         return (self.args.chunked_loss and "labels" in inputs and not self.is_fsdp_enabled
                 and not self.is_deepspeed_enabled and supports_chunked_loss(unwrapped))
+
+    def _seq2seq_loss_applies(self, model: nn.Module, inputs: dict[str, Any]) -> bool:
+        # Only where the Trainer skips its division by the accumulation steps (the model "accepts loss kwargs").
+        unwrapped = self.accelerator.unwrap_model(model)
+        return ("labels" in inputs and unwrapped.config.is_encoder_decoder and self.model_accepts_loss_kwargs
+                and self.label_smoother is None and self.compute_loss_func is None)
 
     def _add_eval_tokens(self, outputs: Any, labels: torch.Tensor) -> None:
         """Sum of token losses and trained-token count, so eval loss is a token mean however rows are grouped."""
@@ -81,12 +128,61 @@ class SFTMixin:
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
         """Trainer.evaluation_loop with `<prefix>_loss` replaced by the exact mean over trained tokens."""
         self._eval_sums = torch.zeros(2, device=self.args.device)
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        self._generator, self._predictions = (self._prompt_generator() if self._metric_fns else None), []
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+        finally:
+            generator, self._generator = self._generator, None
         sums = self.accelerator.reduce(self._eval_sums, reduction="sum")
         prefix = metric_key_prefix
         if sums[1] > 0 and f"{prefix}_loss" in output.metrics:
             output.metrics[f"{prefix}_loss"] = float(sums[0] / sums[1])
+        if generator is not None:
+            output.metrics.update(self._generation_metrics(prefix))
         return output
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict[str, float]:
+        """Trainer.evaluate; with predict_with_generate, `gen_kwargs` (max_new_tokens, num_beams, ...) override the
+        recipe's decoding settings for this call."""
+        self._gen_overrides = gen_kwargs
+        try:
+            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        finally:
+            self._gen_overrides = {}
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None, **gen_kwargs: Any) -> tuple:
+        """Teacher-forced loss; with predict_with_generate also generate from each example's prompt alone."""
+        if self._generator is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
+        rows = self._generator.examples(self._prepare_inputs(inputs))
+        texts = iter(self._generator.generate([e for row in rows for e in row], self.args.device))
+        grouped = [[next(texts) for _ in row] for row in rows]
+        if self.accelerator.num_processes > 1:  # gather_for_metrics drops the rows repeated to even out batches
+            grouped = self.accelerator.gather_for_metrics(grouped, use_gather_object=True)
+        self._predictions.extend(record for row in grouped for record in row)
+        return loss, None, None
+
+    def _prompt_generator(self) -> PromptGenerator:
+        """The generator for one evaluation: decoding settings from the recipe, prompts cut from each batch."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        config = eval_generation_config(unwrapped, self.processing_class, self.args, self._gen_overrides)
+        # Sharded parameters are gathered layer by layer on every rank: all ranks must keep stepping together.
+        synced = is_deepspeed_zero3_enabled() or is_fsdp_managed_module(self.model)
+        return PromptGenerator(self.model, self.processing_class, config, unwrapped.config.is_encoder_decoder, synced)
+
+    def _generation_metrics(self, prefix: str) -> dict[str, float]:
+        """Metrics of the collected predictions (prefixed); predictions.jsonl written by the main process."""
+        if self.is_world_process_zero():
+            name = "predictions.jsonl" if prefix == "eval" else f"{prefix}_predictions.jsonl"
+            write_predictions(self._predictions, Path(self.args.output_dir) / name)
+        predictions = [r["prediction"] for r in self._predictions]
+        references = [r["reference"] for r in self._predictions]
+        values = compute_metrics(self._metric_fns, predictions, references)
+        return {f"{prefix}_{key}": value for key, value in values.items()}
 
     @property
     def interrupted(self) -> bool:
@@ -139,12 +235,19 @@ class SFTTrainer(SFTMixin, Trainer):
 
     The loss is the sum over trained tokens divided by the trained tokens of the whole optimizer step
     (the Trainer's `num_items_in_batch`), so gradient accumulation and padding do not change it.
+    With predict_with_generate, evaluation also generates from each example's prompt (the tokens before its
+    first trained label, left-padded) and reports the recipe's metrics; generate() never sees the answer.
     """
 
-    def __init__(self, model: nn.Module, args: Any, processing_class: PreTrainedTokenizerBase | None = None,
-                 data_collator: Any = None, **kwargs: Any) -> None:
-        if data_collator is None and processing_class is not None:
-            data_collator = default_collator(processing_class)
-        super().__init__(model=model, args=args, processing_class=processing_class,
-                         data_collator=data_collator, **kwargs)
-        self._init_sft()
+
+class Seq2SeqSFTTrainer(SFTMixin, Seq2SeqTrainer):
+    """Seq2SeqTrainer for encoder-decoder SFT (T5, Flan-T5, BART, mT5) with the same SFT layer as SFTTrainer.
+
+    Datasets hold encoder input_ids and decoder labels (target + EOS); the loss is normalised by the trained tokens
+    of the optimizer step, and generation-based evaluation generates from the encoder input.
+    """
+
+
+def trainer_class(model: nn.Module) -> type[SFTTrainer] | type[Seq2SeqSFTTrainer]:
+    """Seq2SeqSFTTrainer for encoder-decoder models, SFTTrainer otherwise."""
+    return Seq2SeqSFTTrainer if model.config.is_encoder_decoder else SFTTrainer

@@ -6,17 +6,19 @@ import logging
 import shutil
 from pathlib import Path
 
+import datasets
 import transformers
 
 from sft.config import SFTConfig
 from sft.dataset import prepare_splits
 from sft.errors import SFTError, TrainingInterrupted
-from sft.model import load_model, load_tokenizer
+from sft.model import load_model, load_model_config, load_tokenizer
+from sft.packing import check_packing_supported, pack_dataset, pack_dataset_with_stats
 from sft.quantization import check_quantization
 from sft.recipe import save_recipe
 from sft.report import plot_loss, write_model_card
 from sft.stats import DataStats, compute_stats
-from sft.trainer import SFTTrainer
+from sft.trainer import SFTMixin, trainer_class
 
 log = logging.getLogger(__name__)
 RUN_MARKERS = ("recipe.yaml", "trainer_state.json", "config.json", "adapter_config.json")
@@ -33,11 +35,12 @@ def train(config: SFTConfig) -> Path:
     tokenizer = load_tokenizer(config)
     train_data, eval_data = prepare_splits(config, tokenizer)  # data errors surface before the model loads
     stats = compute_stats(train_data.dataset, config.max_length, train_data.dropped_rows, train_data.truncated_rows)
+    train_set, eval_set = apply_packing(config, train_data.dataset, eval_data.dataset if eval_data else None, stats)
     log.info("\n%s", stats.table("Training data"))
     transformers.set_seed(config.seed)  # new embedding rows are sampled: make them reproducible
     model = load_model(config, tokenizer)
-    trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer, train_dataset=train_data.dataset,
-                         eval_dataset=eval_data.dataset if eval_data else None)
+    trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer, train_dataset=train_set,
+                                   eval_dataset=eval_set)
     output_dir = prepare_output_dir(config, resume)
     result = trainer.train(resume_from_checkpoint=resume)
     if trainer.interrupted:
@@ -47,6 +50,33 @@ def train(config: SFTConfig) -> Path:
             trainer.stop_on_signal.exit_code)
     save_run(trainer, config, stats, result.metrics, has_eval=eval_data is not None)
     return output_dir
+
+
+def apply_packing(config: SFTConfig, train_set: datasets.Dataset, eval_set: datasets.Dataset | None,
+                  stats: DataStats) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """Pack train (and eval, per eval_packing) data after checking the model keeps packed examples apart."""
+    eval_packing = config.packing if config.eval_packing is None else config.eval_packing
+    if not (config.packing or eval_packing or config.padding_free):
+        return train_set, eval_set
+    check_packing_model(config)
+    if config.packing:
+        train_set, packed = pack_dataset_with_stats(train_set, config.max_length, config.packing_strategy, config.seed)
+        stats.packed_rows, stats.packing_efficiency = packed.packed_rows, packed.packing_efficiency
+    if eval_set is not None and eval_packing:
+        eval_set = pack_dataset(eval_set, config.max_length, config.packing_strategy, config.seed)
+    return train_set, eval_set
+
+
+def check_packing_model(config: SFTConfig) -> None:
+    """Refuse packing / padding-free batches for models or attention backends that would mix examples."""
+    model_config = load_model_config(config)
+    if model_config.is_encoder_decoder:
+        raise SFTError(f"packing and padding_free need a decoder-only model; {model_config.model_type} is an "
+                       "encoder-decoder. Set packing: false and padding_free: false.")
+    try:
+        check_packing_supported(model_config, config.attn_implementation, flattened=config.padding_free)
+    except ValueError as err:
+        raise SFTError(str(err)) from None
 
 
 def resume_setting(value: str | bool | None) -> str | bool | None:
@@ -79,7 +109,7 @@ def prepare_output_dir(config: SFTConfig, resume: str | bool | None) -> Path:
     return out
 
 
-def save_run(trainer: SFTTrainer, config: SFTConfig, stats: DataStats, metrics: dict, has_eval: bool) -> None:
+def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: dict, has_eval: bool) -> None:
     """Model, tokenizer, results, state, recipe, data stats, loss plot and model card."""
     out = Path(config.output_dir)
     trainer.save_model(str(out))
@@ -100,13 +130,15 @@ def save_run(trainer: SFTTrainer, config: SFTConfig, stats: DataStats, metrics: 
 
 
 def evaluate(config: SFTConfig) -> dict[str, float]:
-    """Teacher-forced loss and perplexity on the recipe's eval set; writes eval_results.json to output_dir."""
+    """Teacher-forced loss and perplexity on the recipe's eval set, plus generation metrics and predictions.jsonl
+    with predict_with_generate; writes eval_results.json to output_dir."""
     tokenizer = load_tokenizer(config)
     _, eval_data = prepare_splits(config, tokenizer)
     if eval_data is None:
         raise SFTError("sft eval needs an eval set: set `eval_dataset`, or `eval_split_size` to hold out rows.")
     model = load_model(config, tokenizer)
-    trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer, eval_dataset=eval_data.dataset)
+    trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer,
+                                   eval_dataset=eval_data.dataset)
     metrics = trainer.evaluate()
     metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
     Path(config.output_dir).mkdir(parents=True, exist_ok=True)

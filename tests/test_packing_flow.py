@@ -1,0 +1,65 @@
+"""Packing through the whole pipeline: same eval loss packed or not, stats, refusals, bfd_split."""
+
+import json
+
+import pytest
+from transformers import AutoTokenizer, OPTConfig
+
+from conftest import REPO
+from sft.cli import main
+
+ALPACA = REPO / "data" / "alpaca_sample.json"
+
+
+def recipe(tmp_path, model, **extra) -> str:
+    lines = {"model_name_or_path": model, "dataset": ALPACA, "max_length": 128, "output_dir": tmp_path / "out",
+             "report_to": "none", "eval_split_size": 0.25, "per_device_eval_batch_size": 8, **extra}
+    path = tmp_path / "recipe.yaml"
+    path.write_text("".join(f"{k}: {v}\n" for k, v in lines.items()))
+    return str(path)
+
+
+def eval_loss(tmp_path, model, packing: str) -> float:
+    out = tmp_path / f"eval-{packing}"
+    assert main(["eval", recipe(tmp_path, model), "--packing", packing, "--dtype", "float32",
+                 "--output_dir", str(out)]) == 0
+    return json.loads((out / "eval_results.json").read_text())["eval_loss"]
+
+
+def test_packed_eval_loss_equals_unpacked(tmp_path, tiny_model_dir):
+    packed, unpacked = eval_loss(tmp_path, tiny_model_dir, "true"), eval_loss(tmp_path, tiny_model_dir, "false")
+    assert abs(packed - unpacked) / unpacked < 1e-5
+
+
+def test_packed_training_reports_packing_stats(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    assert main(["train", recipe(tmp_path, tiny_model_dir, packing="true", max_steps=2, neftune_noise_alpha=5)]) == 0
+    stats = json.loads((out / "data_stats.json").read_text())
+    assert 0 < stats["packed_rows"] < stats["rows"] and 0.5 < stats["packing_efficiency"] <= 1.0
+    assert stats["packing_efficiency"] == pytest.approx(stats["tokens"] / (stats["packed_rows"] * 128))
+
+
+def test_packing_is_refused_for_a_family_that_would_mix_examples(tmp_path, tokenizer, capsys):
+    folder = tmp_path / "opt"
+    OPTConfig(vocab_size=len(tokenizer), hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+              word_embed_proj_dim=32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    code = main(["train", recipe(tmp_path, folder, packing="true", max_steps=1)])
+    assert code == 2 and "Packing is not supported for opt models" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bfd_split_trains_every_chunk_of_long_examples(tmp_path, tiny_model_dir, capsys):
+    long_rows = [{"text": " ".join(f"word{i}" for i in range(n))} for n in (300, 40, 500)]
+    data = tmp_path / "long.json"
+    data.write_text(json.dumps(long_rows))
+    base = ["data", recipe(tmp_path, tiny_model_dir, dataset=data, eval_split_size=0), "--json", "--packing", "true"]
+    assert main([*base, "--packing_strategy", "bfd_split"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert main([*base, "--packing_strategy", "bfd"]) == 0
+    cut = json.loads(capsys.readouterr().out)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lengths = [len(tokenizer(r["text"])["input_ids"]) + 1 for r in long_rows]  # + EOS
+    assert split["tokens"] == sum(lengths) and split["truncated_rows"] == 0
+    assert cut["truncated_rows"] == sum(n > 128 for n in lengths) >= 2
+    assert cut["tokens"] == sum(min(n, 128) for n in lengths)
