@@ -1,0 +1,328 @@
+"""Side-by-side SFT benchmark: the same job through sft and through trl.SFTTrainer, each in a fresh process.
+
+Default setup (issue #10): ../shared/fixtures/alpaca/alpaca_data_1k.json replicated to 20,000 rows, the
+mistral-7b-instruct-v0.3 tokenizer, a tiny Mistral (hidden 64, 2 layers, 4 heads, 2 kv heads, vocab 32768,
+random init, seed 0), max_length 512, batch 8, prompt/completion rows with the Stanford Alpaca templates.
+Without ../shared it falls back to the project's data/alpaca_sample.json and the embedded tokenizer.
+
+    python scripts/bench.py                       # packed and unpacked, 3 repeats, table
+    python scripts/bench.py --packing on --repeats 1 --steps 6 --json results.json
+    python scripts/bench.py --device cuda          # on a GPU: bf16, MFU against the GPU's bf16 peak
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures"
+ALPACA = FIXTURES / "alpaca" / "alpaca_data_1k.json"
+TOKENIZER = FIXTURES / "tokenizers" / "mistral-7b-instruct-v0.3"
+GPU_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=20_000, help="rows after replication (default 20000)")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps timed per run (after 2 warm-up steps)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--max_length", type=int, default=512)
+    parser.add_argument("--packing", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per tool and setting; the median is reported")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", help="also write the results as JSON to this file")
+    parser.add_argument("--worker", choices=("sft", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--cache", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---- setup shared by both tools (parent process) ----
+
+def alpaca_rows(count: int) -> list[dict]:
+    """Prompt/completion rows with the Stanford Alpaca templates, replicated to `count` rows."""
+    sys.path.insert(0, str(REPO))
+    from sft.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT
+
+    source = ALPACA if ALPACA.exists() else REPO / "data" / "alpaca_sample.json"
+    base = json.loads(source.read_text())
+    rows = []
+    for i in range(count):
+        row = base[i % len(base)]
+        template = ALPACA_PROMPT_INPUT if row.get("input") else ALPACA_PROMPT_NO_INPUT
+        rows.append({"prompt": template.format_map(row), "completion": row["output"]})
+    return rows
+
+
+def make_workdir(args: argparse.Namespace, workdir: Path) -> None:
+    """Data file, tokenizer and the tiny Mistral (seed 0) that every run shares."""
+    import torch
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    rows = alpaca_rows(args.rows)
+    (workdir / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER if TOKENIZER.exists() else REPO / "data/models/tiny-llama")
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                           tie_word_embeddings=False, pad_token_id=tokenizer.eos_token_id)
+    MistralForCausalLM(config).save_pretrained(workdir / "model")
+    tokenizer.save_pretrained(workdir / "model")
+
+
+def matmul_peak(device: str) -> float:
+    """FLOP/s of a large fp32 (CPU) or bf16 (GPU) matmul on this machine, measured now."""
+    import torch
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n = 4096 if device == "cuda" else 2048
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    reps = 50 if device == "cuda" else 5
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - start)
+
+
+# ---- one measured run (worker process) ----
+
+class StepTimer:
+    """Trainer callback: per-step wall times and losses, tokens seen and trained."""
+
+    def __init__(self, warmup: int) -> None:
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                timer.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step > warmup:
+                    timer.times.append(time.perf_counter() - timer.start)
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    timer.losses.append(float(logs["loss"]))
+
+        self.callback, self.times, self.losses, self.start, self.warmup = Callback(), [], [], 0.0, warmup
+
+
+def count_tokens(trainer, counts: list) -> None:
+    """Record (non-padding, trained) tokens of every micro-batch the trainer really trains on."""
+    original = trainer.training_step
+
+    def counting(model, inputs, num_items_in_batch=None):
+        mask = inputs.get("attention_mask")
+        seen = int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        counts.append((seen, int((inputs["labels"][:, 1:] != -100).sum())))
+        return original(model, inputs, num_items_in_batch)
+
+    trainer.training_step = counting  # benchmark instrumentation only
+
+
+def run_sft(args: argparse.Namespace, workdir: Path, timer: StepTimer) -> dict:
+    sys.path.insert(0, str(REPO))
+    from sft.dataset import prepare_splits
+    from sft.model import load_model, load_tokenizer
+    from sft.recipe import load_recipe
+    from sft.stats import compute_stats
+    from sft.trainer import SFTTrainer
+    from sft.training import apply_packing
+
+    config = load_recipe(common_recipe(args, workdir) | {"dataset_format": "prompt_completion",
+                                                         "packing": args.packing == "on", "dtype": dtype(args)})
+    tokenizer = load_tokenizer(config)
+    start = time.perf_counter()
+    train, _ = prepare_splits(config, tokenizer)
+    stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows)
+    dataset, _ = apply_packing(config, train.dataset, None, stats)
+    prep = time.perf_counter() - start
+    trainer = SFTTrainer(model=load_model(config, tokenizer), args=config, processing_class=tokenizer,
+                         train_dataset=dataset, callbacks=[timer.callback])
+    return {"prep_seconds": prep, "efficiency": stats.packing_efficiency, "trainer": trainer}
+
+
+def run_trl(args: argparse.Namespace, workdir: Path, timer: StepTimer) -> dict:
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    recipe = common_recipe(args, workdir)
+    for key in ("model_name_or_path", "dataset", "dtype"):
+        recipe.pop(key, None)
+    config = SFTConfig(**recipe, packing=args.packing == "on", bf16=args.device == "cuda",
+                       use_cpu=args.device == "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
+    model = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=dtype(args))
+    data = datasets.load_dataset("json", data_files=str(workdir / "data.jsonl"), split="train")
+    start = time.perf_counter()
+    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
+                         callbacks=[timer.callback])
+    prep = time.perf_counter() - start
+    lengths = trainer.train_dataset["input_ids"] if args.packing == "on" else None
+    efficiency = (sum(map(len, lengths)) / (len(lengths) * args.max_length)) if lengths is not None else None
+    return {"prep_seconds": prep, "efficiency": efficiency, "trainer": trainer}
+
+
+def common_recipe(args: argparse.Namespace, workdir: Path) -> dict:
+    """Settings both tools share: same data, lengths, batch, steps, optimizer and seed."""
+    return {"model_name_or_path": str(workdir / "model"), "dataset": str(workdir / "data.jsonl"),
+            "output_dir": str(workdir / f"out-{args.worker}-{os.getpid()}"), "max_length": args.max_length,
+            "per_device_train_batch_size": args.batch, "max_steps": args.steps + 2, "learning_rate": 1e-4,
+            "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "no", "report_to": "none",
+            "seed": 0, "dataloader_num_workers": 0, "dtype": dtype(args)}
+
+
+def dtype(args: argparse.Namespace) -> str:
+    return "bfloat16" if args.device == "cuda" else "float32"
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """One fresh-process run of one tool: preprocessing, then timed training steps."""
+    import torch
+
+    os.environ["HF_DATASETS_CACHE"] = args.cache
+    workdir, warmup = Path(args.workdir), 2
+    timer = StepTimer(warmup)
+    run = (run_sft if args.worker == "sft" else run_trl)(args, workdir, timer)
+    trainer, counts = run.pop("trainer"), []
+    count_tokens(trainer, counts)
+    trainer.train()
+    seen, trained = (sum(c[i] for c in counts[warmup:]) for i in (0, 1))
+    step = statistics.median(timer.times)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    peak_mem = (torch.cuda.max_memory_allocated() if args.device == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"tool": args.worker, "packing": args.packing, "rows": args.rows, "prep_seconds": run["prep_seconds"],
+            "prep_rows_per_s": args.rows / run["prep_seconds"], "packing_efficiency": run["efficiency"],
+            "step_seconds": step, "tokens_per_s": seen / sum(timer.times), "trained_tokens_per_s":
+            trained / sum(timer.times), "tokens_per_step": seen / args.steps, "peak_memory_bytes": peak_mem,
+            "losses": timer.losses, "final_loss": timer.losses[-1], "params": params,
+            "model_flops_per_step": model_flops(trainer.model.config, seen / args.steps)}
+
+
+def model_flops(config, tokens: float) -> float:
+    """Training FLOPs of a full forward+backward over `tokens` tokens (6 x matmul params + attention)."""
+    h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    per_layer = h * (h + 2 * kv + h) + 3 * h * inter
+    matmul_params = layers * per_layer + config.vocab_size * h  # the LM head; the embedding lookup is no matmul
+    return 6 * matmul_params * tokens
+
+
+# ---- orchestration (parent process) ----
+
+def spawn(args: argparse.Namespace, tool: str, packing: str, workdir: Path, cache: Path) -> dict:
+    command = [sys.executable, __file__, "--worker", tool, "--packing", packing, "--workdir", str(workdir),
+               "--cache", str(cache), "--rows", str(args.rows), "--steps", str(args.steps), "--batch",
+               str(args.batch), "--max_length", str(args.max_length), "--device", args.device]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{tool} run failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Per-key median over repeats (losses from the first run)."""
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    merged = dict(runs[0])
+    merged.update({k: statistics.median(r[k] for r in runs) for k in keys if all(r[k] is not None for r in runs)})
+    return merged
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> dict:
+    settings = ["off", "on"] if args.packing == "both" else [args.packing]
+    results = {"peak_flops": matmul_peak(args.device), "settings": {}}
+    for packing in settings:
+        runs: dict[str, list] = {"sft": [], "trl": []}
+        for repeat in range(args.repeats):  # pairs back to back, each in a fresh process and a fresh cache
+            for tool in ("trl", "sft"):
+                cache = workdir / f"cache-{tool}-{packing}-{repeat}"
+                runs[tool].append(spawn(args, tool, packing, workdir, cache))
+                print(f"  {tool:>3} packing={packing} run {repeat + 1}: {runs[tool][-1]['step_seconds']:.3f} s/step",
+                      file=sys.stderr)
+        cached = spawn(args, "sft", packing, workdir, workdir / f"cache-sft-{packing}-0")  # same cache: 2nd run
+        results["settings"][packing] = {"sft": median_run(runs["sft"]), "trl": median_run(runs["trl"]),
+                                        "sft_cached_prep_seconds": cached["prep_seconds"]}
+    return results
+
+
+def bare_tokenizer_rows_per_s(workdir: Path) -> float:
+    """The practical limit: the fast tokenizer alone, batched with offsets, over the same rows."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
+    rows = [json.loads(line) for line in (workdir / "data.jsonl").read_text().splitlines()]
+    texts = [r["prompt"] + r["completion"] for r in rows]
+    start = time.perf_counter()
+    for i in range(0, len(texts), 1000):
+        tokenizer(texts[i:i + 1000], return_offsets_mapping=True)
+    return len(texts) / (time.perf_counter() - start)
+
+
+def table(results: dict) -> str:
+    peak = results["peak_flops"]
+    lines = [f"matmul peak measured: {peak / 1e9:.1f} GFLOP/s; bare tokenizer: {results['bare_rows_per_s']:,.0f} rows/s",
+             f"{'packing':<8}{'metric':<30}{'trl':>14}{'sft':>14}{'sft/trl':>10}", "-" * 76]
+    for packing, res in results["settings"].items():
+        trl, sft = res["trl"], res["sft"]
+        rows = [("preprocessing rows/s", "prep_rows_per_s", "{:,.0f}"),
+                ("packing efficiency", "packing_efficiency", "{:.2%}"),
+                ("seconds / step", "step_seconds", "{:.3f}"), ("tokens/s (total)", "tokens_per_s", "{:,.0f}"),
+                ("tokens/s (trained)", "trained_tokens_per_s", "{:,.0f}"),
+                ("peak memory (GB)", "peak_memory_bytes", "{:.2f}"), ("final loss", "final_loss", "{:.4f}")]
+        for label, key, fmt in rows:
+            a, b = trl.get(key), sft.get(key)
+            if a is None or b is None:
+                continue
+            scale = 1e-9 if key == "peak_memory_bytes" else 1.0
+            ratio = f"{b / a:.2f}x" if a else "-"
+            lines.append(f"{packing:<8}{label:<30}{fmt.format(a * scale):>14}{fmt.format(b * scale):>14}{ratio:>10}")
+        for tool, res_tool in (("trl", trl), ("sft", sft)):
+            res_tool["mfu"] = res_tool["model_flops_per_step"] / res_tool["step_seconds"] / peak
+        lines.append(f"{packing:<8}{'model FLOP utilisation':<30}{trl['mfu']:>14.1%}{sft['mfu']:>14.1%}"
+                     f"{sft['mfu'] / trl['mfu']:>9.2f}x")
+        speedup = sft["prep_seconds"] / res["sft_cached_prep_seconds"]
+        lines.append(f"{packing:<8}{'sft cached preprocessing':<30}{'':>14}{res['sft_cached_prep_seconds']:>13.2f}s"
+                     f"{speedup:>9.1f}x")
+        if packing == "off":
+            diffs = [abs(a - b) / abs(a) for a, b in zip(trl["losses"], sft["losses"])]
+            lines.append(f"{packing:<8}{'max per-step loss difference':<30}{'':>14}{max(diffs):>14.3%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    if not ALPACA.exists():
+        print("note: ../shared/fixtures is absent; using the project's data and tokenizer", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="sft-bench-") as tmp:
+        workdir = Path(tmp)
+        make_workdir(args, workdir)
+        results = measure(args, workdir)
+        results["bare_rows_per_s"] = bare_tokenizer_rows_per_s(workdir)
+    results["setup"] = {k: v for k, v in vars(args).items() if k not in ("worker", "workdir", "cache", "json")}
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
