@@ -2,11 +2,15 @@
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import datasets
+from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
+from sft import encode as encode_module
+from sft import formats as formats_module
 from sft.config import SFTConfig
 from sft.encode import Encoding
 from sft.errors import SFTError
@@ -89,6 +93,7 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
         encode_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
         num_proc=config.dataset_num_proc, desc=f"Tokenizing {source.label}",
         fn_kwargs={"render": render, "encoding": encoding, "where": source.label},
+        new_fingerprint=cache_fingerprint(raw, tokenizer, config, fmt),
     )
     if len(tokenized) == 0:
         raise SFTError(f"Dataset {source.label}: all {len(raw)} rows were dropped because no trained token fits in "
@@ -97,6 +102,23 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
     tokenized = tokenized.remove_columns("truncated")
     dropped = len(raw) - len(tokenized)
     return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, truncated)
+
+
+CACHE_FIELDS = ("completion_only_loss", "max_length", "truncation_side", "assistant_only_loss", "chat_template",
+                "train_on_last_turn_only", "no_assistant_turn", "packing", "packing_strategy")
+
+
+def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, config: SFTConfig, fmt: str) -> str:
+    """Cache key of the tokenized data: the raw data, the tokenizer, the recipe fields that matter and sft's code.
+
+    datasets would otherwise hash the mapped function with dill (the tokenizer object included), which costs more
+    than re-reading a cached result; this key is cheap and changes whenever any input of the result changes.
+    """
+    code = [Path(module.__file__).read_bytes() for module in (encode_module, formats_module, sys.modules[__name__])]
+    tok = [tokenizer.backend_tokenizer.to_str(), str(tokenizer.chat_template), str(tokenizer.special_tokens_map),
+           type(tokenizer).__name__]
+    fields = [fmt, *(str(getattr(config, name)) for name in CACHE_FIELDS)]
+    return Hasher.hash([raw._fingerprint, tok, fields, code])
 
 
 def resolve_format(config: SFTConfig, columns: list[str], where: str) -> str:

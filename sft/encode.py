@@ -1,8 +1,8 @@
-"""Tokenize rendered examples and build labels from character spans via the fast tokenizer's offsets."""
+"""Tokenize rendered examples and build labels from character spans, through the fast tokenizer's alignments."""
 
 from dataclasses import dataclass
 
-import numpy as np
+from tokenizers import Encoding as TokenAlignment
 from transformers import PreTrainedTokenizerBase
 
 from sft.formats import Rendered
@@ -20,54 +20,65 @@ class Encoding:
 
     def encode(self, rows: list[Rendered]) -> dict[str, list]:
         """Tokenize a batch; returns input_ids, labels, length, truncated and trained (token count) per row."""
-        out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "truncated": [], "trained": [], "_index": []}
-        for flag in (True, False):  # tokenize with and without BOS in two batched calls
+        out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "truncated": [], "trained": []}
+        encoded: list = [None] * len(rows)
+        for flag in (True, False):  # one batched call with the tokenizer's BOS/EOS template, one without
             picked = [i for i, r in enumerate(rows) if r.add_special_tokens is flag]
             if picked:
-                self._encode_group([rows[i] for i in picked], flag, picked, out)
-        order = np.argsort(out.pop("_index"), kind="stable")
-        return {key: [values[i] for i in order] for key, values in out.items()}
+                batch = self.tokenizer.backend_tokenizer.encode_batch([rows[i].text for i in picked],
+                                                                      add_special_tokens=flag)
+                for i, alignment in zip(picked, batch):
+                    encoded[i] = alignment
+        for row, alignment in zip(rows, encoded):
+            self._add_row(row, alignment, out)
+        return out
 
-    def _encode_group(self, rows: list[Rendered], add_special: bool, index: list[int], out: dict) -> None:
-        enc = self.tokenizer([r.text for r in rows], add_special_tokens=add_special,
-                             return_offsets_mapping=True, return_attention_mask=False)
+    def _add_row(self, row: Rendered, alignment: TokenAlignment, out: dict[str, list]) -> None:
+        ids = list(alignment.ids)
+        labels = trained_labels(alignment, row.spans)
         eos = self.tokenizer.eos_token_id
-        for row, ids, offsets, i in zip(rows, enc["input_ids"], enc["offset_mapping"], index):
-            ids, labels = np.asarray(ids, dtype=np.int64), trained_labels(ids, offsets, row.spans)
-            if row.append_eos and eos is not None and (ids.size == 0 or ids[-1] != eos):
-                ids, labels = np.append(ids, eos), np.append(labels, eos if row.spans else IGNORE_INDEX)
-            ids, labels, cut = self._truncate(ids, labels)
-            out["input_ids"].append(ids.tolist())
-            out["labels"].append(labels.tolist())
-            out["length"].append(int(ids.size))
-            out["truncated"].append(cut)
-            out["trained"].append(int((labels != IGNORE_INDEX).sum()))
-            out["_index"].append(i)
+        if row.append_eos and eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+            labels.append(eos if row.spans else IGNORE_INDEX)
+        ids, labels, cut = self._truncate(ids, labels)
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["length"].append(len(ids))
+        out["truncated"].append(cut)
+        out["trained"].append(len(labels) - labels.count(IGNORE_INDEX))
 
-    def _truncate(self, ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    def _truncate(self, ids: list[int], labels: list[int]) -> tuple[list[int], list[int], bool]:
         """Cut to max_length from `truncation_side`; the new first token is never trained."""
-        if ids.size <= self.max_length:
+        if len(ids) <= self.max_length:
             return ids, labels, False
         keep = slice(-self.max_length, None) if self.truncation_side == "left" else slice(0, self.max_length)
-        ids, labels = ids[keep], labels[keep].copy()
+        ids, labels = ids[keep], labels[keep]
         labels[0] = IGNORE_INDEX
         return ids, labels, True
 
 
-def trained_labels(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
-    """labels = ids where a token's characters overlap a trained span, else -100; the first label is -100.
+def trained_labels(alignment: TokenAlignment, spans: list[tuple[int, int]]) -> list[int]:
+    """labels = ids of every token whose characters overlap a trained span, else -100; the first label is -100.
 
-    A token overlapping a span boundary (e.g. one that merges the prompt's last character with the answer's
-    first) is trained: leaving it out would drop the start of the answer from the loss.
+    A token overlapping a span boundary (one that merges the prompt's last characters with the answer's first) is
+    trained: leaving it out would drop the start of the answer from the loss. Tokens are located with the
+    tokenizer's own character-to-token map, so no per-token Python work is done.
     """
-    ids_arr = np.asarray(ids, dtype=np.int64)
-    if not spans or ids_arr.size == 0:
-        return np.full(ids_arr.size, IGNORE_INDEX, dtype=np.int64)
-    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    starts, ends = np.asarray(spans, dtype=np.int64).T
-    # A zero-width token (e.g. a BOS the tokenizer adds) at position p is treated as covering [p, p + 1).
-    tok_end = np.maximum(off[:, 1], off[:, 0] + 1)
-    hit = ((off[:, 0, None] < ends) & (tok_end[:, None] > starts)).any(axis=1)
-    labels = np.where(hit, ids_arr, IGNORE_INDEX)
-    labels[0] = IGNORE_INDEX
+    ids = alignment.ids
+    labels = [IGNORE_INDEX] * len(ids)
+    for start, end in spans:
+        first, last = _token_at(alignment, range(start, end)), _token_at(alignment, range(end - 1, start - 1, -1))
+        if first is not None and last is not None:
+            labels[first:last + 1] = ids[first:last + 1]
+    if labels:
+        labels[0] = IGNORE_INDEX
     return labels
+
+
+def _token_at(alignment: TokenAlignment, chars: range) -> int | None:
+    """The token covering the first character of `chars` that any token covers (some, e.g. trimmed spaces, aren't)."""
+    for char in chars:
+        token = alignment.char_to_token(char)
+        if token is not None:
+            return token
+    return None

@@ -1,9 +1,9 @@
 """Chat templates and assistant-only masks: every preset on an in-test tokenizer, real tokenizers from ../shared.
 
-Labels are built here the way the pipeline does (a token is trained iff its character offsets overlap a trained
-span; the first label is never trained), then the trained tokens are decoded run by run: each run must be exactly
-one assistant answer followed by its end-of-turn token. A token with empty offsets (start == end) is trained only
-if it is a special token lying inside a span; none of the fixture tokenizers produce such tokens in chat text.
+Labels are built by the pipeline itself (sft.encode.Encoding: a token is trained iff its characters overlap a
+trained span; the first label is never trained), then the trained tokens are decoded run by run: each run must be
+exactly one assistant answer followed by its end-of-turn token. None of the fixture tokenizers produce zero-width
+special tokens in chat text.
 """
 
 import json
@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from sft.chat import ChatRenderer
+from sft.encode import Encoding
 from sft.chat_templates import PRESETS, prepare_tokenizer_for_template, preset_end_of_turn, resolve_chat_template
 from sft.errors import SFTError
 from sft.formats import ALPACA_PROMPT_NO_INPUT, detect_format, row_renderer
@@ -86,18 +87,9 @@ def fixture_tokenizer(name: str):
 
 
 def labels_for(tokenizer, rendered) -> tuple[list[int], list[int]]:
-    """input_ids and labels of a Rendered: trained iff the token's offsets overlap a span (see module doc)."""
-    enc = tokenizer(rendered.text, add_special_tokens=rendered.add_special_tokens, return_offsets_mapping=True)
-    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    labels = []
-    for token, (start, end) in zip(enc["input_ids"], enc["offset_mapping"]):
-        if start == end:
-            hit = token in special and any(s <= start < e for s, e in rendered.spans)
-        else:
-            hit = any(start < e and end > s for s, e in rendered.spans)
-        labels.append(token if hit else -100)
-    labels[0] = -100
-    return enc["input_ids"], labels
+    """input_ids and labels of a Rendered, built by the pipeline's own sft.encode.Encoding."""
+    out = Encoding(tokenizer, max_length=10**9).encode([rendered])
+    return out["input_ids"][0], out["labels"][0]
 
 
 def trained_runs(tokenizer, rendered) -> list[str]:

@@ -2,9 +2,9 @@
 
 import pytest
 
-from sft.encode import IGNORE_INDEX, Encoding, trained_labels
-from sft.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, render_alpaca, render_prompt_completion, \
-    render_text
+from sft.encode import IGNORE_INDEX, Encoding
+from sft.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, Rendered, render_alpaca, \
+    render_prompt_completion, render_text
 
 
 def encode_one(tokenizer, rendered, max_length=512, side="right"):
@@ -63,11 +63,18 @@ def test_text_trains_all_tokens_after_the_first_and_eos(tokenizer):
 
 def test_boundary_token_merging_prompt_and_answer_is_trained(tokenizer):
     # "Paris" right after "is" without a space: any token that reaches into the answer must be trained.
-    ids = tokenizer("The capital of France isParis")["input_ids"]
-    offsets = tokenizer("The capital of France isParis", return_offsets_mapping=True)["offset_mapping"]
-    labels = trained_labels(ids, offsets, [(len("The capital of France is"), len("The capital of France isParis"))])
+    text = "The capital of France isParis"
+    ids, labels, _ = encode_one(tokenizer, Rendered(text, [(len("The capital of France is"), len(text))],
+                                                    append_eos=False))
     covered = "".join(tokenizer.decode([t]) for t in labels if t != IGNORE_INDEX)
     assert covered.endswith("Paris") and "capital" not in covered
+
+
+def test_untrained_spans_and_special_tokens_inside_spans(tokenizer):
+    text = "Hello</s> world</s>"  # </s> written in the text is one special token with real offsets
+    ids, labels, _ = encode_one(tokenizer, Rendered(text, [(0, len("Hello</s>"))], append_eos=False))
+    assert tokenizer.decode([t for t in labels if t != IGNORE_INDEX]) == "Hello</s>"
+    assert ids.count(tokenizer.eos_token_id) == 2
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
