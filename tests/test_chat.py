@@ -19,8 +19,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from sft.chat import ChatRenderer
-from sft.encode import Encoding
 from sft.chat_templates import PRESETS, prepare_tokenizer_for_template, preset_end_of_turn, resolve_chat_template
+from sft.encode import Encoding
 from sft.errors import SFTError
 from sft.formats import ALPACA_PROMPT_NO_INPUT, detect_format, row_renderer
 from sft.masks import show_examples
