@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                     run_eval)
     add_inference_verbs(verbs)
     add_recipe_verb(verbs, "check", "dry-run a recipe on CPU with a tiny model of its architecture", run_check)
+    add_launch_verb(verbs)
     listing = verbs.add_parser("recipes", help="list the shipped recipes")
     listing.add_argument("--dir", help="recipes folder (default: ./recipes, else the one beside the package)")
     listing.set_defaults(run=run_recipes)
@@ -241,3 +242,25 @@ def run_check(args: argparse.Namespace, rest: list[str]) -> None:
     from sft.check import check_recipe
 
     print(check_recipe(args.recipe, flags=rest).table())
+
+
+def add_launch_verb(verbs: argparse._SubParsersAction) -> None:
+    """sft launch RECIPE [--preset P] [--num_processes N] [--dry_run] [accelerate flags] [recipe overrides]"""
+    from sft.distributed import PRESETS
+
+    launch = add_recipe_verb(verbs, "launch", "train on several GPUs or machines via accelerate launch", run_launch)
+    launch.add_argument("--preset", choices=PRESETS, help="accelerate/DeepSpeed preset (default: the recipe's "
+                                                            "`distributed`, else ddp)")
+    launch.add_argument("--num_processes", type=int, help="processes over all machines (default: GPUs x machines)")
+    launch.add_argument("--dry_run", action="store_true", help="print the accelerate command instead of running it")
+    launch.epilog = ("Flags `accelerate launch` knows (--num_machines, --machine_rank, --main_process_ip, "
+                     "--main_process_port, ...) go to accelerate, except the recipe key "
+                     "--gradient_accumulation_steps; every other flag, and all after `--`, overrides a recipe key. "
+                     "See docs/distributed.md.")
+
+
+def run_launch(args: argparse.Namespace, rest: list[str]) -> int:
+    """sft launch RECIPE [--preset P] [--num_processes N] [--dry_run] [accelerate flags] [--key value ...]"""
+    from sft.launch import launch
+
+    return launch(args.recipe, rest, args.preset, args.num_processes, args.dry_run)

@@ -42,8 +42,8 @@ class SFTConfig(Seq2SeqTrainingArguments):
         "{path, split, columns, weight}."
     )
     dataset_format: str = _help(
-        "auto, text, alpaca, prompt_completion, messages or sharegpt.", "auto",
-        choices=("auto", "text", "alpaca", "prompt_completion", "messages", "sharegpt"),
+        "auto, text, alpaca, prompt_completion, messages, sharegpt or seq2seq (source/target).", "auto",
+        choices=("auto", "text", "alpaca", "prompt_completion", "messages", "sharegpt", "seq2seq"),
     )
     eval_dataset: Any = _help("Evaluation data, same forms as `dataset`.")
     eval_split_size: float = _help("Hold out this fraction (<1) or number (>=1) of training rows for eval.", 0.0)
@@ -92,13 +92,19 @@ class SFTConfig(Seq2SeqTrainingArguments):
     bnb_4bit_quant_storage: str | None = _help("Storage dtype of packed 4-bit weights (FSDP-QLoRA needs the compute dtype).")
 
     # Distributed
-    distributed: str | None = _help("Preset: ddp, fsdp, fsdp_offload, zero2, zero3 or zero3_offload.",
+    distributed: str | None = _help("Preset: ddp, fsdp, fsdp_offload, zero2, zero3 or zero3_offload (fills fsdp/"
+                                    "fsdp_config or deepspeed; see docs/distributed.md).",
                                     choices=("ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload"))
+    # TrainingArguments types this `str`; a YAML `fsdp: true` (what transformers 5 asks for) must load too.
+    fsdp: Any = _help('FSDP: true (tuned in fsdp_config, or use `distributed: fsdp`), or Alpaca-style options '
+                      'such as "full_shard auto_wrap".')
 
     # Generation-based evaluation (predict_with_generate, generation_max_length, generation_num_beams and
     # generation_config come from Seq2SeqTrainingArguments)
-    max_new_tokens: int | None = _help("Tokens to generate per eval prompt (default: generation_max_length or 128).")
-    metrics: list[str] | None = _help("Generation metrics: exact_match, rouge, bleu, or module.path:function.")
+    max_new_tokens: int | None = _help("Tokens to generate per eval prompt (default: generation_max_length, read as "
+                                       "new tokens, or 128).")
+    metrics: list[str] | None = _help("Generation metrics: exact_match, rouge, bleu, or module.path:function "
+                                      "(default: all three built-ins).")
 
     recipe_keys: list[str] = field(default_factory=list, init=False, repr=False)  # the keys the user set
 

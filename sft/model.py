@@ -98,12 +98,12 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
 
 def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Grow embeddings for added tokens (mean-initialised rows, padded to a multiple of 64); returns new ids."""
-    old_rows = model.get_input_embeddings().weight.shape[0]
+    old_rows = model.get_input_embeddings().num_embeddings  # not weight.shape: (0,) once ZeRO-3 partitions it
     if len(tokenizer) <= old_rows:
         return []
     model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=EMBEDDING_MULTIPLE, mean_resizing=True)
     log.info("Resized embeddings from %d to %d rows for %d new tokens.", old_rows,
-             model.get_input_embeddings().weight.shape[0], len(tokenizer) - old_rows)
+             model.get_input_embeddings().num_embeddings, len(tokenizer) - old_rows)
     return list(range(old_rows, len(tokenizer)))
 
 

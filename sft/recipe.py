@@ -11,9 +11,12 @@ from typing import Any
 import yaml
 
 from sft.config import SFTConfig
+from sft.distributed import apply_distributed
 from sft.errors import SFTError
 
 FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig) if f.init}
+# Not Field.type: HfArgumentParser (`sft train --help`) rewrites it in place, e.g. fsdp_config's dict | str to str.
+TYPES = typing.get_type_hints(SFTConfig)
 # Keys that must never be written to recipe.yaml, model cards or logs.
 SECRET_KEYS = ("hub_token", "token", "push_to_hub_token")
 # Names that older transformers / TRL / Stanford Alpaca used for what is now another key.
@@ -99,7 +102,7 @@ def coerce(key: str, value: Any, origin: str, from_text: bool = False) -> Any:
     """`value` converted to the type of field `key`, or an error saying what was expected."""
     field = check_key(key, origin)
     try:
-        value = _convert(value, field.type, from_text)
+        value = _convert(value, TYPES[key], from_text)
     except (TypeError, ValueError) as err:
         raise SFTError(f"Bad value for `{key}` in {origin}: {err}.") from None
     choices = field.metadata.get("choices")
@@ -217,11 +220,13 @@ def _to_dict(value: Any, from_text: bool) -> dict:
 def build_config(values: dict) -> SFTConfig:
     """SFTConfig from validated values; TrainingArguments' own checks become SFTErrors."""
     values.setdefault("output_dir", "outputs/run")
+    user_keys = sorted(values)
+    values = apply_distributed(values)  # before TrainingArguments, which sets up FSDP/DeepSpeed as it is built
     try:
         config = SFTConfig(**values)
     except (ValueError, TypeError) as err:
         raise SFTError(f"Invalid recipe: {err}") from None
-    config.recipe_keys = sorted(values)
+    config.recipe_keys = user_keys  # recipe.yaml keeps `distributed`, not what it expanded to
     return config
 
 

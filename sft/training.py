@@ -11,7 +11,9 @@ import transformers
 
 from sft.config import SFTConfig
 from sft.dataset import prepare_splits
+from sft.distributed import prepare_final_save
 from sft.errors import SFTError, TrainingInterrupted
+from sft.metrics import resolve_metrics
 from sft.model import load_model, load_model_config, load_tokenizer
 from sft.packing import check_packing_supported, pack_dataset, pack_dataset_with_stats
 from sft.quantization import check_quantization
@@ -41,7 +43,7 @@ def train(config: SFTConfig) -> Path:
     model = load_model(config, tokenizer)
     trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer, train_dataset=train_set,
                                    eval_dataset=eval_set)
-    output_dir = prepare_output_dir(config, resume)
+    output_dir = prepare_output_dir(config, resume, trainer)
     result = trainer.train(resume_from_checkpoint=resume)
     if trainer.interrupted:
         raise TrainingInterrupted(
@@ -92,6 +94,8 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> None:
     if problems:
         raise SFTError(problems[0])
     check_quantization(config)
+    if config.predict_with_generate:
+        resolve_metrics(config.metrics)  # a misspelt metric fails now, not after the model has loaded
     out = Path(config.output_dir)
     existing = [m for m in RUN_MARKERS if (out / m).exists()] + [p.name for p in out.glob("checkpoint-*")][:1]
     if existing and not resume and not config.overwrite_output_dir:
@@ -99,12 +103,13 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> None:
                        "to continue it, --overwrite_output_dir true to replace it, or choose another output_dir.")
 
 
-def prepare_output_dir(config: SFTConfig, resume: str | bool | None) -> Path:
-    """Create output_dir; with overwrite_output_dir (and no resume) clear the previous run first."""
+def prepare_output_dir(config: SFTConfig, resume: str | bool | None, trainer: SFTMixin) -> Path:
+    """Create output_dir; with overwrite_output_dir (and no resume) the main process clears the previous run."""
     out = Path(config.output_dir)
-    if out.exists() and config.overwrite_output_dir and not resume:
+    if trainer.is_world_process_zero() and out.exists() and config.overwrite_output_dir and not resume:
         log.warning("overwrite_output_dir: removing the previous run in %s", out)
         shutil.rmtree(out)
+    trainer.accelerator.wait_for_everyone()  # no rank writes before the old run is gone
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -112,6 +117,7 @@ def prepare_output_dir(config: SFTConfig, resume: str | bool | None) -> Path:
 def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: dict, has_eval: bool) -> None:
     """Model, tokenizer, results, state, recipe, data stats, loss plot and model card."""
     out = Path(config.output_dir)
+    prepare_final_save(trainer)
     trainer.save_model(str(out))
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)

@@ -1,0 +1,157 @@
+"""Two processes under torchrun: ZeRO-3 on CPU (gloo) really partitions, matches one process and saves reloadable
+weights; on CUDA the fsdp preset really wraps each decoder layer in FSDP2.
+
+Each run goes through `python -m sft train` (tests/sharding_probe.py adds only a callback recording the sharding).
+The first ZeRO-3 run on a machine JIT-compiles DeepSpeed's CPU shared-memory comm op (a few minutes, cached in
+~/.cache/torch_extensions); later runs take about 30 s each.
+"""
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import REPO, write_json
+from sft.recipe import load_recipe
+from sft.training import train
+
+pytestmark = pytest.mark.multiprocess
+PROBE = REPO / "tests" / "sharding_probe.py"
+# Four rows = one global batch of 2 processes x 2 rows: step 1 sees exactly these rows in any order.
+ROWS = [{"instruction": "Add the two numbers.", "input": "2 and 3", "output": "5"},
+        {"instruction": "What is the capital of France?", "input": "", "output": "The capital of France is Paris."},
+        {"instruction": "Say hello.", "input": "", "output": "Hello, how are you today?"},
+        {"instruction": "Write a function that adds two numbers.", "input": "",
+         "output": "def add(a, b):\n    return a + b"}]
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory, tiny_model_dir) -> Path:
+    """A 3-step ZeRO-3 CPU recipe on the tiny Llama, checkpointing at step 3."""
+    folder = tmp_path_factory.mktemp("multiprocess")
+    values = {"model_name_or_path": str(tiny_model_dir), "dataset": str(write_json(folder / "data.json", ROWS)),
+              "dataset_format": "alpaca", "dtype": "float32", "distributed": "zero3", "use_cpu": True,
+              "per_device_train_batch_size": 2, "max_steps": 3, "learning_rate": 1e-2, "lr_scheduler_type": "constant",
+              "logging_steps": 1, "save_strategy": "steps", "save_steps": 3, "report_to": "none", "seed": 0,
+              "lora_dropout": 0.0}
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+@pytest.fixture(scope="module")
+def single_process_loss(recipe, tmp_path_factory) -> float:
+    """Loss of step 1 in one process over the same global batch (4 rows)."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    train(load_recipe(recipe, distributed=None, per_device_train_batch_size=4, max_steps=1, save_strategy="no",
+                      output_dir=str(out)))
+    return step_losses(out)[0]
+
+
+def torchrun(args: list, nproc: int = 2) -> None:
+    """Run `torchrun --standalone --nproc_per_node N args...` and fail with its output if it fails."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # 2 processes share the cores
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{shlex.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+
+
+def step_losses(run: Path) -> list[float]:
+    history = json.loads((run / "trainer_state.json").read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def assert_partitioned(run: Path) -> dict:
+    """Every parameter is a ZeRO-3 parameter, released (empty) on both ranks, each holding half of it."""
+    reports = [json.loads((run / f"sharding-rank{rank}.json").read_text()) for rank in (0, 1)]
+    for report in reports:
+        assert report["world_size"] == 2 and report["params"]
+        for name, param in report["params"].items():
+            assert param["zero_param"], name
+            assert param["numel"] == 0 and param["status"] == "NOT_AVAILABLE", (name, param)
+            assert param["shard_numel"] == math.ceil(param["ds_numel"] / 2), (name, param)
+    return reports[0]["params"]
+
+
+def assert_zero3_checkpoint(run: Path) -> Path:
+    """checkpoint-3 holds both ranks' shards, promoted from its staging folder."""
+    checkpoint = run / "checkpoint-3"
+    shards = sorted(p.name for p in (checkpoint / "global_step3").glob("*_optim_states.pt"))
+    assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert (checkpoint / "latest").read_text().strip() == "global_step3"
+    assert not list(run.glob(".staging-*"))
+    return checkpoint
+
+
+def consolidated(checkpoint: Path, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The fp32 weights DeepSpeed rebuilds from the per-rank shards of a checkpoint."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), exclude_frozen_parameters=trainable_only)
+
+
+def test_zero3_full_finetune_on_two_processes(recipe, tmp_path, tiny_model_dir, single_process_loss):
+    run = tmp_path / "full"
+    torchrun([PROBE, "train", recipe, "--output_dir", run])
+    params = assert_partitioned(run)
+    assert all(p["trainable"] for p in params.values())
+    losses = step_losses(run)
+    assert len(losses) == 3 and abs(losses[0] - single_process_loss) < 1e-4
+    weights = consolidated(assert_zero3_checkpoint(run))
+    saved = AutoModelForCausalLM.from_pretrained(run).state_dict()  # a normal model, gathered at the final save
+    assert set(saved) == set(weights)
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, weights[name]), name
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # no resize: partitioned weights have shape (0,)
+        assert saved[name].shape == initial[name].shape
+    assert not torch.equal(saved["model.layers.0.mlp.down_proj.weight"], initial["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_zero3_lora_saves_a_non_empty_reloadable_adapter(recipe, tmp_path, tiny_model_dir, single_process_loss):
+    from peft import PeftModel
+
+    run = tmp_path / "lora"
+    # activation checkpointing too: PEFT on ZeRO-3 must recompute with reentrant checkpointing
+    torchrun([PROBE, "train", recipe, "--output_dir", run, "--use_peft", "true", "--activation_checkpointing", "true"])
+    params = assert_partitioned(run)
+    assert {("lora_" in name) for name, p in params.items() if p["trainable"]} == {True}
+    assert abs(step_losses(run)[0] - single_process_loss) < 1e-4  # lora_B starts at zero: the base model's loss
+    adapter = load_file(run / "adapter_model.safetensors")
+    lora_b = [name for name in adapter if "lora_B" in name]
+    assert adapter and len(lora_b) == 2 * 7 and all(adapter[name].abs().sum() > 0 for name in lora_b)  # trained
+    weights = consolidated(assert_zero3_checkpoint(run), trainable_only=True)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), run)
+    reloaded = {name: p for name, p in model.named_parameters() if "lora_" in name}
+    assert set(reloaded) == set(weights)
+    for name, tensor in reloaded.items():
+        assert torch.equal(tensor, weights[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp_preset_wraps_each_decoder_layer_on_gpu(recipe, tmp_path):
+    run = tmp_path / "fsdp"
+    torchrun([PROBE, "train", recipe, "--output_dir", run, "--distributed", "fsdp", "--use_cpu", "false"],
+             nproc=min(2, torch.cuda.device_count()))
+    report = json.loads((run / "sharding-rank0.json").read_text())
+    types = report["module_types"]
+    layers = [name for name in types if re.fullmatch(r"model\.layers\.\d+", name)]
+    assert layers and set(layers) <= set(report["fsdp_modules"]) and "" in report["fsdp_modules"]
+    assert all(types[name] == "FSDPLlamaDecoderLayer" for name in layers)  # fully_shard, not a DDP fallback
+    assert not any("DistributedDataParallel" in kind for kind in types.values())
+    checkpoint = run / "checkpoint-3"
+    assert any(p.name.startswith("pytorch_model_fsdp") for p in checkpoint.iterdir())  # sharded checkpoint
+    model = AutoModelForCausalLM.from_pretrained(run)  # the final save is whole
+    assert model.model.layers[0].mlp.down_proj.weight.shape == (32, 64)
