@@ -1,7 +1,7 @@
 """bitsandbytes quantized loading (4-bit NF4/FP4 for QLoRA, 8-bit LLM.int8) from a recipe's keys."""
 
 import torch
-from transformers import BitsAndBytesConfig
+from transformers import BitsAndBytesConfig, PreTrainedModel
 
 from sft.config import SFTConfig
 from sft.errors import SFTError
@@ -55,3 +55,8 @@ def quantized_loading(config: SFTConfig) -> dict:
         return {}
     # bitsandbytes quantizes while placing the weights: put them on this process's device (its own GPU under DDP)
     return {"quantization_config": bnb, "device_map": {"": config.device}}
+
+
+def is_quantized(model: PreTrainedModel) -> bool:
+    """Whether a quantizer (bitsandbytes, or a pre-quantized checkpoint's) holds the model's weights."""
+    return "quantization_config" in model.config.to_dict()

@@ -1,0 +1,112 @@
+"""sft generate / sft chat: prompts (chat template or Alpaca), a trained quickstart adapter, chat over a pipe."""
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from conftest import EMBEDDED_MODEL, REPO, make_tokenizer
+from sft import SFTError, load_recipe, train
+from sft import generation
+from sft.cli import main
+from sft.formats import ALPACA_PROMPT_NO_INPUT
+from sft.generation import GenerationOptions, load_for_inference, render_prompt, stop_token_ids
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def quickstart_adapter(tmp_path_factory):
+    """recipes/quickstart-qlora.yaml for 3 steps: the embedded tiny Llama, or a hidden-64 one until it is built."""
+    work = tmp_path_factory.mktemp("quickstart-qlora")
+    overrides = dict(max_steps=3, output_dir=str(work / "out"), eval_split_size=0.0, eval_strategy="no",
+                     save_strategy="no", disable_tqdm=True)
+    if not (EMBEDDED_MODEL / "config.json").exists():
+        tokenizer = make_tokenizer()
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     tie_word_embeddings=False)).save_pretrained(work / "base")
+        tokenizer.save_pretrained(work / "base")
+        overrides["model_name_or_path"] = str(work / "base")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(REPO)
+        return train(load_recipe("recipes/quickstart-qlora.yaml", **overrides))
+
+
+def test_generate_prints_a_completion_of_a_trained_adapter(quickstart_adapter, capsys):
+    args = ["generate", str(quickstart_adapter), "--prompt", "What is 18 plus 7?", "--max_new_tokens", "8",
+            "--template", "alpaca"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    model, tokenizer = load_for_inference(quickstart_adapter, device="cpu")
+    expected = generation.generate(model, tokenizer, "What is 18 plus 7?", GenerationOptions(max_new_tokens=8,
+                                                                                              template="alpaca"))
+    assert printed == expected + "\n" and expected.strip()
+
+
+def test_chat_reads_a_pipe_streams_replies_and_handles_commands(quickstart_adapter):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "sft", "chat", str(quickstart_adapter), "--max_new_tokens", "6"],
+                            input="hello\n/reset\nhi\n/exit\nnever read\n", capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("assistant> ") == 2 and "(conversation reset)" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_chat_reset_starts_a_new_conversation(monkeypatch, capsys):
+    seen = []
+
+    def fake_generate(model, tokenizer, messages, options, streamer=None):
+        seen.append([m["content"] for m in messages])
+        return f"reply {len(seen)}"
+
+    monkeypatch.setattr(generation, "generate", fake_generate)
+    stdin = io.StringIO("hello\n\nagain\n/reset\nhi\n/exit\nignored\n")
+    generation.chat(None, None, GenerationOptions(), system="be brief", stdin=stdin)
+    assert seen == [["be brief", "hello"], ["be brief", "hello", "reply 1", "again"], ["be brief", "hi"]]
+
+
+def test_prompts_use_the_chat_template_or_else_alpaca(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # no chat template
+    text, add_special = render_prompt(tokenizer, [{"role": "user", "content": "Name a color."}])
+    assert text == ALPACA_PROMPT_NO_INPUT.format(instruction="Name a color.") and add_special
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert render_prompt(tokenizer, turns)[0].endswith("### Response:b\n\n### Instruction:\nc\n\n### Response:")
+    with pytest.raises(SFTError, match="no chat template"):
+        render_prompt(tokenizer, turns, template="chat")
+    tokenizer.chat_template = CHATML
+    text, add_special = render_prompt(tokenizer, [{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" and not add_special
+    assert render_prompt(tokenizer, turns, template="alpaca")[0].startswith(ALPACA_PROMPT_NO_INPUT[:40])
+
+
+def test_generation_stops_at_the_templates_end_of_turn(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    ids = stop_token_ids(tokenizer, model.generation_config)
+    assert ids == {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_generate_on_a_model_folder_samples_reproducibly(tiny_model_dir, capsys):
+    args = ["generate", str(tiny_model_dir), "--prompt", "hi", "--max_new_tokens", "6", "--do_sample", "--seed", "3",
+            "--temperature", "1.5"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_generate_errors_exit_2_with_a_message(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["chat", str(tmp_path)]) == 2
+    assert "neither a model (config.json) nor a LoRA adapter" in capsys.readouterr().err

@@ -1,0 +1,160 @@
+"""LoRA / QLoRA through the real pipeline: only adapters train, quantized bases stay bit-identical, resume is exact."""
+
+import logging
+import math
+import shutil
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from conftest import write_json
+from sft import SFTError, build_datasets, load_recipe, train
+from sft.model import load_model, load_tokenizer
+from sft.trainer import SFTTrainer
+
+ROWS = [{"prompt": "Add 2 and 3:", "completion": " 5"}, {"prompt": "The capital of France is", "completion": " Paris."}]
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    return write_json(tmp_path / "data.json", ROWS * 4)
+
+
+def recipe(model_dir, data, out, **overrides):
+    """A small LoRA recipe (fp32, CPU, no saving unless asked) as a dict through load_recipe."""
+    values = dict(model_name_or_path=str(model_dir), dataset=str(data), output_dir=str(out), use_peft=True,
+                  lora_r=4, lora_alpha=8, lora_dropout=0.0, dtype="float32", max_steps=2, learning_rate=1e-2,
+                  per_device_train_batch_size=4, logging_steps=1, save_strategy="no", report_to="none",
+                  disable_tqdm=True, seed=0)
+    return load_recipe({**values, **overrides})
+
+
+def fit(config):
+    """load_model + SFTTrainer as train() does, keeping the model to inspect; returns (model, trainer)."""
+    tokenizer = load_tokenizer(config)
+    train_data, _ = build_datasets(config)
+    model = load_model(config, tokenizer)
+    trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer, train_dataset=train_data)
+    return model, trainer
+
+
+def losses(trainer):
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+def test_qlora_4bit_trains_only_the_adapter(tmp_path, tiny_model_dir, data_file, caplog):
+    # The same 4 rows every step (batch = dataset / 2, both halves identical): the loss must fall.
+    config = recipe(tiny_model_dir, write_json(tmp_path / "same.json", [ROWS[0]] * 8), tmp_path / "out",
+                    load_in_4bit=True, bnb_4bit_quant_type="nf4", max_steps=5)
+    with caplog.at_level(logging.INFO, logger="sft.adapters"):
+        model, trainer = fit(config)
+    assert isinstance(model, PeftModel)
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj.base_layer, bnb.nn.Linear4bit) and q_proj.base_layer.weight.quant_type == "nf4"
+    assert "Trainable parameters: " in caplog.text
+    base_before = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    adapter_before = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+    trainer.train()
+    logged = losses(trainer)
+    assert len(logged) == 5 and all(math.isfinite(x) for x in logged) and logged[-1] < logged[0]
+    for key, value in model.state_dict().items():  # packed 4-bit weights and quantization states included
+        if key in base_before:
+            assert torch.equal(value, base_before[key]), key
+    assert all("lora_" in k for k in adapter_before)
+    changed = [k for k, p in model.named_parameters() if p.requires_grad and not torch.equal(p, adapter_before[k])]
+    assert sorted(changed) == sorted(adapter_before)
+
+
+def test_default_targets_are_all_linear_layers_but_the_head(tiny_model_dir, data_file, tmp_path):
+    config = recipe(tiny_model_dir, data_file, tmp_path)
+    model = load_model(config, load_tokenizer(config))
+    adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert not [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
+
+
+def test_qdora_magnitudes_stay_float32_and_train(tmp_path, tiny_model_dir, data_file):
+    # A bf16 base: downcasting adapters to bf16 would round DoRA's small magnitude updates to zero.
+    config = recipe(tiny_model_dir, data_file, tmp_path, load_in_4bit=True, use_dora=True, dtype="bfloat16")
+    model, trainer = fit(config)
+    magnitudes = {n: p for n, p in model.named_parameters() if "lora_magnitude_vector" in n}
+    assert magnitudes and all(p.dtype == torch.float32 and p.requires_grad for p in magnitudes.values())
+    before = {n: p.detach().clone() for n, p in magnitudes.items()}
+    trainer.train()
+    assert all(math.isfinite(x) for x in losses(trainer))
+    assert all(not torch.equal(p, before[n]) for n, p in magnitudes.items())
+
+
+def test_8bit_rslora_run_saves_only_the_adapter(tmp_path, tiny_model_dir, data_file):
+    config = recipe(tiny_model_dir, data_file, tmp_path / "out", load_in_8bit=True, use_rslora=True,
+                    save_strategy="steps", save_steps=2)
+    out = train(config)
+    for folder in (out, out / "checkpoint-2"):
+        assert (folder / "adapter_model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+        assert not list(folder.glob("model*.safetensors")), folder
+    assert '"use_rslora": true' in (out / "adapter_config.json").read_text()
+    weights = load_file(out / "adapter_model.safetensors")
+    assert weights and all("lora_" in k for k in weights)
+    assert any(v.abs().max() > 0 for k, v in weights.items() if "lora_B" in k)  # B starts at zero: it trained
+
+
+def test_rslora_scales_by_alpha_over_sqrt_r(tiny_model_dir, data_file, tmp_path):
+    config = recipe(tiny_model_dir, data_file, tmp_path, use_rslora=True, lora_r=16, lora_alpha=8)
+    model = load_model(config, load_tokenizer(config))
+    assert model.base_model.model.model.layers[0].mlp.up_proj.scaling["default"] == pytest.approx(8 / 4)
+
+
+def test_resume_restores_adapter_optimizer_scheduler_and_rng(tmp_path, tiny_model_dir, data_file):
+    # Dropout on, so the restored RNG state matters as well as the adapter, optimizer and scheduler.
+    settings = dict(max_steps=6, per_device_train_batch_size=2, lora_dropout=0.1, save_strategy="steps",
+                    save_steps=3, learning_rate=5e-3)
+    straight = train(recipe(tiny_model_dir, data_file, tmp_path / "straight", **settings))
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(straight / "checkpoint-3", resumed_dir / "checkpoint-3")  # as if killed after step 3
+    resumed = train(recipe(tiny_model_dir, data_file, resumed_dir, resume_from_checkpoint="true", **settings))
+    a, b = load_file(straight / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture
+def grown_model_dir(tiny_model_dir):
+    """The tiny model folder whose saved tokenizer has two tokens the model has no embedding rows for."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>", "<|end_tool|>"]})
+    tokenizer.save_pretrained(tiny_model_dir)
+    return tiny_model_dir
+
+
+def test_new_token_rows_train_with_the_adapter(tmp_path, grown_model_dir, data_file):
+    config = recipe(grown_model_dir, data_file, tmp_path)
+    model = load_model(config, load_tokenizer(config))
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    # Input embedding and (untied) output head each train every row past the old 400: 402 padded to 448.
+    assert sorted(n.split(".token_adapter")[0].rsplit(".", 1)[-1] for n in trainable) == ["embed_tokens", "lm_head"]
+    assert all("trainable_tokens_delta" in n and p.shape[0] == 48 for n, p in trainable.items())
+
+
+def test_modules_to_save_and_new_tokens_do_not_clash(tmp_path, grown_model_dir, data_file):
+    config = recipe(grown_model_dir, data_file, tmp_path, lora_modules_to_save=["embed_tokens"])
+    model = load_model(config, load_tokenizer(config))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
+    assert any("embed_tokens.modules_to_save" in n for n in trainable)  # trained whole
+    assert any("lm_head.token_adapter" in n for n in trainable)
+
+
+@pytest.mark.parametrize("keys, message", [
+    (dict(load_in_4bit=True, load_in_8bit=True), "choose one"),
+    (dict(load_in_4bit=True, use_peft=False), "use_peft: true"),
+    (dict(lora_target_modules=["qkv_proj"]), "Check lora_target_modules"),
+])
+def test_invalid_quantization_or_targets_are_refused(tmp_path, tiny_model_dir, data_file, keys, message):
+    with pytest.raises(SFTError, match=message):
+        train(recipe(tiny_model_dir, data_file, tmp_path, **keys))

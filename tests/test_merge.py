@@ -1,0 +1,136 @@
+"""sft merge: merged logits equal adapter logits, the merged folder is plain transformers, errors are clear."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from conftest import make_llama, write_json
+from sft import load_recipe, train
+from sft.cli import main
+from sft.generation import load_for_inference
+from sft.model import load_model, load_tokenizer
+
+ROWS = [{"prompt": "Add 2 and 3 <|calc|>", "completion": " 5"},
+        {"prompt": "The capital of France is", "completion": " Paris."}]
+IDS = torch.tensor([[1, 40, 41, 42, 400, 43, 401, 7]])  # 400 and 401 are the tokens the run added
+TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|end|>{% endfor %}"
+NO_PEFT = """
+import sys
+sys.modules["peft"] = None  # as if peft were not installed: find_spec finds nothing, import fails
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+print(type(model).__name__)
+"""
+
+
+def make_llama64(vocab_size: int) -> LlamaForCausalLM:
+    """conftest's tiny Llama at hidden size 64: bitsandbytes' 4-bit inference kernels work in blocks of 64."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=False, use_cache=False))
+
+
+def run_adapter(base_dir, out, **overrides):
+    """A 3-step LoRA run through sft.training.train (fp32, CPU); returns its output folder."""
+    data = write_json(base_dir.parent / "merge-data.json", ROWS * 4)
+    values = dict(model_name_or_path=str(base_dir), dataset=str(data), output_dir=str(out), use_peft=True, lora_r=4,
+                  lora_alpha=16, lora_dropout=0.0, dtype="float32", max_steps=3, learning_rate=2e-2,
+                  per_device_train_batch_size=4, save_strategy="no", report_to="none", disable_tqdm=True)
+    return train(load_recipe({**values, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tokenizer):
+    """A LoRA adapter trained on the conftest tiny Llama whose tokenizer gained two tokens (rows trained too)."""
+    base = tmp_path_factory.mktemp("merge-base") / "base"
+    make_llama(len(tokenizer)).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    grown = AutoTokenizer.from_pretrained(base)  # a copy: the session tokenizer stays as it is
+    grown.add_special_tokens({"additional_special_tokens": ["<|calc|>", "<|end|>"]})
+    grown.chat_template = TEMPLATE
+    grown.save_pretrained(base)
+    return run_adapter(base, tmp_path_factory.mktemp("merge-run") / "out")
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def test_merged_logits_equal_adapter_logits(lora_run, tmp_path):
+    assert main(["merge", str(lora_run), str(tmp_path / "merged")]) == 0
+    adapter, _ = load_for_inference(lora_run, device="cpu")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert type(merged).__name__ == "LlamaForCausalLM" and merged.config.use_cache
+    assert (logits(adapter) - logits(merged)).abs().max() < 1e-4
+    with adapter.disable_adapter():
+        assert (logits(adapter) - logits(merged)).abs().max() > 1e-3  # and training did change the model
+
+
+def test_merged_folder_is_plain_transformers(lora_run, tmp_path):
+    merged = tmp_path / "merged"
+    assert main(["merge", str(lora_run), str(merged), "--dtype", "bfloat16"]) == 0
+    names = {p.name for p in merged.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names and not any("adapter" in n for n in names)
+    result = subprocess.run([sys.executable, "-c", NO_PEFT, str(merged)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["LlamaForCausalLM"]
+    assert AutoModelForCausalLM.from_pretrained(merged).dtype == torch.bfloat16
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    assert len(tokenizer) == 402 and tokenizer.chat_template == TEMPLATE
+
+
+def test_merge_refuses_a_non_empty_output_unless_overwrite(lora_run, tmp_path, capsys):
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert main(["merge", str(lora_run), str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err and (out / "notes.txt").exists()
+    assert main(["merge", str(lora_run), str(out), "--overwrite"]) == 0
+    assert (out / "model.safetensors").is_file() and not (out / "notes.txt").exists()
+
+
+def test_qlora_merge_dequantizes_the_base_it_trained_on(tmp_path, tokenizer):
+    base = tmp_path / "base"
+    make_llama64(len(tokenizer)).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    run = run_adapter(base, tmp_path / "qlora", load_in_4bit=True, max_steps=2)
+    assert main(["merge", str(run), str(tmp_path / "merged")]) == 0
+    adapter, _ = load_for_inference(run, device="cpu")  # 4-bit, as trained (recipe.yaml)
+    adapter.train()  # the training kernels (exact float32 dequantization), not bitsandbytes' bf16 CPU inference ones
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert "quantization_config" not in merged.config.to_dict() and merged.dtype == torch.float32
+    ids = IDS.clamp(max=399)
+    with torch.no_grad():
+        assert (adapter(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() < 1e-4
+
+
+def test_merge_errors_exit_2_with_a_message(lora_run, tiny_model_dir, tmp_path, capsys):
+    assert main(["merge", str(tmp_path / "missing"), str(tmp_path / "o1")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["merge", str(tiny_model_dir), str(tmp_path / "o2")]) == 2
+    assert "has no adapter_config.json" in capsys.readouterr().err
+    moved = tmp_path / "adapter"
+    shutil.copytree(lora_run, moved)
+    config = json.loads((moved / "adapter_config.json").read_text())
+    (moved / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "/nowhere/base"}))
+    assert main(["merge", str(moved), str(tmp_path / "o3")]) == 2
+    err = capsys.readouterr().err
+    assert "Could not load the model /nowhere/base (the base model named in" in err and "--base_model" in err
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_a_run_folder_as_the_model_loads_its_base_and_adapter(lora_run, tmp_path, use_peft):
+    # `sft eval RECIPE --model_name_or_path RUN` evaluates the adapter; use_peft trains it further.
+    config = load_recipe(dict(model_name_or_path=str(lora_run), output_dir=str(tmp_path), dtype="float32",
+                              use_peft=use_peft))
+    model = load_model(config, load_tokenizer(config)).eval()
+    adapter, _ = load_for_inference(lora_run, device="cpu")
+    assert torch.equal(logits(model), logits(adapter))
+    assert any(p.requires_grad for p in model.parameters()) == use_peft
