@@ -16,8 +16,8 @@ from sft.config import SFTConfig  # noqa: E402
 from sft.dataset import build_datasets  # noqa: E402
 from sft.errors import SFTError  # noqa: E402
 from sft.recipe import load_recipe  # noqa: E402
-from sft.trainer import SFTTrainer  # noqa: E402
+from sft.trainer import Seq2SeqSFTTrainer, SFTTrainer  # noqa: E402
 from sft.training import train  # noqa: E402
 
-__all__ = ["SFTConfig", "SFTError", "SFTTrainer", "build_datasets", "load_recipe", "train"]
+__all__ = ["SFTConfig", "SFTError", "SFTTrainer", "Seq2SeqSFTTrainer", "build_datasets", "load_recipe", "train"]
 __version__ = "0.1.0"

@@ -21,6 +21,7 @@ from sft.recipe import load_recipe
 log = logging.getLogger(__name__)
 DATA = Path(__file__).resolve().parents[1] / "data"
 EMBEDDED_TOKENIZER = DATA / "models" / "tiny-llama"
+SAMPLE_ROWS = 64  # enough for 2 steps and a short eval; keeps the check to seconds
 SAMPLES = {"messages": "chat_sample.jsonl", "alpaca": "alpaca_sample.json", "seq2seq": "seq2seq_sample.jsonl",
            "text": "alpaca_sample.json", "prompt_completion": "alpaca_sample.json"}
 # Architectures guessed from a Hub id when its config cannot be fetched (offline check before renting a GPU).
@@ -97,11 +98,12 @@ def sample_data(config: SFTConfig, report: CheckReport) -> dict:
 
     sources = parse_sources(config.dataset)
     if all(Path(s.path).exists() for s in sources):
-        report.data = "the recipe's own data"
-        return {}
+        report.data = f"the recipe's own data (first {SAMPLE_ROWS} rows of each source)"
+        sliced = [{"path": s.path, "split": f"{s.split}[:{SAMPLE_ROWS}]", "columns": s.columns} for s in sources]
+        return {"dataset": sliced, "eval_dataset": None, "eval_split_size": 8}
     fmt = config.dataset_format if config.dataset_format != "auto" else guess_format(config)
     report.data = f"sample {fmt} data ({SAMPLES[fmt]}); the recipe's data is not reachable here"
-    sample = str(DATA / SAMPLES[fmt])
+    sample = [{"path": str(DATA / SAMPLES[fmt]), "split": f"train[:{SAMPLE_ROWS}]"}]
     return {"dataset": sample, "eval_dataset": None, "eval_split_size": 8, "dataset_format": fmt}
 
 
@@ -129,6 +131,8 @@ def tiny_model(config: SFTConfig, report: CheckReport, folder: Path) -> dict:
     tokenizer = local_tokenizer(config)
     tiny_config = AutoConfig.for_model(report.model_type, vocab_size=len(tokenizer), **_tiny_fields(report.model_type))
     tiny_config.pad_token_id = tokenizer.pad_token_id
+    if tiny_config.is_encoder_decoder:  # T5/BART configs made from scratch name no decoder start token
+        tiny_config.decoder_start_token_id = tokenizer.pad_token_id
     auto = AutoModelForSeq2SeqLM if tiny_config.is_encoder_decoder else AutoModelForCausalLM
     torch.manual_seed(0)
     auto.from_config(tiny_config).save_pretrained(folder)
@@ -146,6 +150,9 @@ def local_tokenizer(config: SFTConfig):
             return AutoTokenizer.from_pretrained(name, revision=config.revision)
         except (OSError, ValueError):
             continue
+    if not (EMBEDDED_TOKENIZER / "tokenizer.json").exists():
+        raise SFTError(f"sft check needs a local tokenizer: none for the recipe, and {EMBEDDED_TOKENIZER} is missing "
+                       "(rebuild it with scripts/make_tiny_model.py).")
     return AutoTokenizer.from_pretrained(EMBEDDED_TOKENIZER)
 
 

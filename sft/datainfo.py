@@ -2,7 +2,7 @@
 
 from sft.config import SFTConfig
 from sft.dataset import prepare_splits
-from sft.model import load_tokenizer
+from sft.model import is_encoder_decoder, load_tokenizer
 from sft.stats import DataStats, compute_stats
 
 
@@ -16,4 +16,4 @@ def describe_data(config: SFTConfig, show: int = 0, color: bool = False) -> tupl
         return stats, ""
     from sft.masks import show_examples
 
-    return stats, show_examples(train.dataset, tokenizer, show, color)
+    return stats, show_examples(train.dataset, tokenizer, show, color, is_encoder_decoder(config))

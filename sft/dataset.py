@@ -11,10 +11,12 @@ from transformers import PreTrainedTokenizerBase
 
 from sft import encode as encode_module
 from sft import formats as formats_module
+from sft import seq2seq as seq2seq_module
 from sft.config import SFTConfig
 from sft.encode import Encoding
 from sft.errors import SFTError
 from sft.formats import CHAT_FORMATS, Rendered, check_columns, default_completion_only, detect_format, row_renderer
+from sft.seq2seq import Seq2SeqEncoding, pair_renderer
 from sft.sources import Source, load_source, parse_sources, repeat_by_weight
 
 TOKEN_COLUMNS = ["input_ids", "labels", "length"]
@@ -82,8 +84,6 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
     from sft.model import is_encoder_decoder  # deferred: keeps `import sft.dataset` light
 
     if is_encoder_decoder(config):  # T5, BART, ...: source -> encoder input_ids, target + EOS -> labels
-        from sft.seq2seq import Seq2SeqEncoding, pair_renderer
-
         render, encoding = pair_renderer(fmt), Seq2SeqEncoding(tokenizer, config.max_length, config.truncation_side)
     else:
         render = make_renderer(config, fmt, tokenizer, raw)
@@ -93,7 +93,7 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
         encode_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
         num_proc=config.dataset_num_proc, desc=f"Tokenizing {source.label}",
         fn_kwargs={"render": render, "encoding": encoding, "where": source.label},
-        new_fingerprint=cache_fingerprint(raw, tokenizer, config, fmt),
+        new_fingerprint=cache_fingerprint(raw, tokenizer, config, fmt, encoding),
     )
     if len(tokenized) == 0:
         raise SFTError(f"Dataset {source.label}: all {len(raw)} rows were dropped because no trained token fits in "
@@ -108,16 +108,18 @@ CACHE_FIELDS = ("completion_only_loss", "max_length", "truncation_side", "assist
                 "train_on_last_turn_only", "no_assistant_turn", "packing", "packing_strategy")
 
 
-def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, config: SFTConfig, fmt: str) -> str:
+def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, config: SFTConfig, fmt: str,
+                      encoding: Encoding | Seq2SeqEncoding) -> str:
     """Cache key of the tokenized data: the raw data, the tokenizer, the recipe fields that matter and sft's code.
 
     datasets would otherwise hash the mapped function with dill (the tokenizer object included), which costs more
     than re-reading a cached result; this key is cheap and changes whenever any input of the result changes.
     """
-    code = [Path(module.__file__).read_bytes() for module in (encode_module, formats_module, sys.modules[__name__])]
+    modules = (encode_module, formats_module, seq2seq_module, sys.modules[__name__])
+    code = [Path(module.__file__).read_bytes() for module in modules]
     tok = [tokenizer.backend_tokenizer.to_str(), str(tokenizer.chat_template), str(tokenizer.special_tokens_map),
            type(tokenizer).__name__]
-    fields = [fmt, *(str(getattr(config, name)) for name in CACHE_FIELDS)]
+    fields = [fmt, type(encoding).__name__, *(str(getattr(config, name)) for name in CACHE_FIELDS)]
     return Hasher.hash([raw._fingerprint, tok, fields, code])
 
 

@@ -24,6 +24,7 @@ REQUIRED_COLUMNS = {
     "sharegpt": ("conversations",),
     "alpaca": ("instruction", "output"),
     "prompt_completion": ("prompt", "completion"),
+    "seq2seq": ("source", "target"),
     "text": ("text",),
 }
 CHAT_FORMATS = ("messages", "sharegpt")  # rendered by sft.chat.ChatRenderer through a chat template
@@ -97,6 +98,15 @@ def render_prompt_completion(row: dict, where: str, row_number: int, completion_
     return _prompt_completion(prompt, completion, completion_only)
 
 
+def render_seq2seq(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
+    """Source/target pairs for a decoder-only model: source, a newline so the boundary is visible, then target.
+
+    Encoder-decoder models encode the two sides separately (sft.seq2seq) and never see this newline.
+    """
+    source = field_text(row, "source", where, row_number)
+    return _prompt_completion(source + "\n", field_text(row, "target", where, row_number), completion_only)
+
+
 def render_text(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
     """Plain text, all trained."""
     text = field_text(row, "text", where, row_number)
@@ -111,13 +121,14 @@ def _prompt_completion(prompt: str, completion: str, completion_only: bool) -> R
 RENDERERS: dict[str, Callable[..., Rendered]] = {
     "alpaca": render_alpaca,
     "prompt_completion": render_prompt_completion,
+    "seq2seq": render_seq2seq,
     "text": render_text,
 }
 
 
 def default_completion_only(fmt: str) -> bool:
     """completion_only_loss when the recipe leaves it unset: train only answers where prompts exist."""
-    return fmt in ("alpaca", "prompt_completion")
+    return fmt in ("alpaca", "prompt_completion", "seq2seq")
 
 
 def row_renderer(fmt: str, completion_only: bool, chat: Any = None) -> Callable[[dict, str, int], Rendered | None]:

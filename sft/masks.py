@@ -9,11 +9,21 @@ GREEN, RESET = "\033[1;32m", "\033[0m"  # bold green for trained text; plain for
 OPEN, CLOSE = "[[", "]]"  # the same marks for log files and pipes
 
 
-def show_examples(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: int, color: bool) -> str:
+def show_examples(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: int, color: bool,
+                  encoder_decoder: bool = False) -> str:
     """The first n examples (input_ids + labels) as text, trained tokens highlighted, with per-run token counts."""
     count = min(n, len(dataset))
-    blocks = [_show_one(dataset[i], tokenizer, i + 1, count, color) for i in range(count)]
+    show = _show_pair if encoder_decoder else _show_one
+    blocks = [show(dataset[i], tokenizer, i + 1, count, color) for i in range(count)]
     return "\n\n".join(blocks)
+
+
+def _show_pair(example: dict, tokenizer: PreTrainedTokenizerBase, number: int, count: int, color: bool) -> str:
+    """An encoder-decoder example: the encoder input, then its labels (the target, all trained)."""
+    ids, labels = example["input_ids"], [t for t in example["labels"] if t != IGNORE_INDEX]
+    header = f"=== example {number}/{count}: {len(ids)} source tokens, {len(labels)} target tokens (all trained) ==="
+    source, target = (tokenizer.decode(t, skip_special_tokens=False) for t in (ids, labels))
+    return f"{header}\n{source}\n--- target:\n{_mark(target, color)}"
 
 
 def _show_one(example: dict, tokenizer: PreTrainedTokenizerBase, number: int, count: int, color: bool) -> str:

@@ -59,7 +59,7 @@ def _parse_source(item: Any, key: str) -> Source:
 def load_source(source: Source) -> datasets.Dataset:
     """One source as a Dataset with its columns renamed; local files get errors that name the file and line."""
     path = Path(source.path)
-    ds = _load_local(path) if path.exists() else _load_hub(source)
+    ds = _load_local(path, source.split) if path.exists() else _load_hub(source)
     return rename_columns(ds, source)
 
 
@@ -70,7 +70,7 @@ def _check_reachable(source: Source) -> None:
                        f"{Path.cwd()}).")
 
 
-def _load_local(path: Path) -> datasets.Dataset:
+def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
     files = sorted(p for p in path.rglob("*") if p.suffix in FILE_TYPES) if path.is_dir() else [path]
     if not files:
         raise SFTError(f"Dataset folder {path} holds no {', '.join(FILE_TYPES)} files.")
@@ -81,7 +81,8 @@ def _load_local(path: Path) -> datasets.Dataset:
     for f in files:
         _check_file(f, kind)
     try:
-        return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+        # Local files form one "train" split; slices such as "train[:64]" or "train[10%:]" select rows of it.
+        return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split)
     except Exception as err:  # datasets wraps parse errors in many types; re-scan to say where
         raise SFTError(f"Could not read dataset {path}: {_first_line(err)}") from None
 

@@ -60,10 +60,10 @@ class SFTMixin:
         self.add_callback(self.stop_on_signal)
         self._staging: str | None = None
         self._eval_sums = torch.zeros(2)
-        generating = isinstance(self.args, Seq2SeqTrainingArguments) and self.args.predict_with_generate
+        self._generating = isinstance(self.args, Seq2SeqTrainingArguments) and self.args.predict_with_generate
         # Unknown metric names or a bad import path fail here, before any training step.
         self._metric_fns = resolve_metrics(self.args.metrics if isinstance(self.args, SFTConfig) else None
-                                           ) if generating else []
+                                           ) if self._generating else []
         self._generator: PromptGenerator | None = None
         self._gen_overrides: dict[str, Any] = {}
         self._predictions: list[dict[str, str]] = []
@@ -126,9 +126,10 @@ class SFTMixin:
 
     def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
-        """Trainer.evaluation_loop with `<prefix>_loss` replaced by the exact mean over trained tokens."""
+        """Trainer.evaluation_loop with `<prefix>_loss` replaced by the exact mean over trained tokens, plus the
+        generation metrics (and predictions.jsonl) with predict_with_generate."""
         self._eval_sums = torch.zeros(2, device=self.args.device)
-        self._generator, self._predictions = (self._prompt_generator() if self._metric_fns else None), []
+        self._generator, self._predictions = (self._prompt_generator() if self._generating else None), []
         try:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                              metric_key_prefix)
@@ -146,11 +147,12 @@ class SFTMixin:
                  metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict[str, float]:
         """Trainer.evaluate; with predict_with_generate, `gen_kwargs` (max_new_tokens, num_beams, ...) override the
         recipe's decoding settings for this call."""
-        self._gen_overrides = gen_kwargs
+        previous = self._gen_overrides  # Trainer.evaluate calls itself once per dataset of an eval dict
+        self._gen_overrides = {**previous, **gen_kwargs}
         try:
             return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         finally:
-            self._gen_overrides = {}
+            self._gen_overrides = previous
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None, **gen_kwargs: Any) -> tuple:

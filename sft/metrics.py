@@ -1,0 +1,83 @@
+"""Generation metrics: exact match, ROUGE-1/2/L (rouge-score), corpus BLEU (sacrebleu), or a user function.
+
+Every metric is a function (predictions, references) -> {name: value}; the trainer prefixes the names with
+`eval_` as transformers does. A recipe names built-ins (`exact_match`, `rouge`, `bleu`) or a user function by
+import path (`my_pkg.metrics:score`), called with the same two lists of strings and returning a dict of numbers.
+"""
+
+import difflib
+import importlib
+from typing import Callable
+
+from sft.errors import SFTError
+
+MetricFn = Callable[[list[str], list[str]], dict[str, float]]
+DEFAULT_METRICS = ("exact_match", "rouge", "bleu")
+
+
+def exact_match(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Fraction of predictions equal to their reference, ignoring surrounding whitespace."""
+    hits = sum(p.strip() == r.strip() for p, r in zip(predictions, references, strict=True))
+    return {"exact_match": hits / max(len(references), 1)}
+
+
+def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Mean ROUGE-1, ROUGE-2 and ROUGE-L F1 (Google's rouge-score, Porter stemming, as summarisation papers use)."""
+    from rouge_score import rouge_scorer  # imported on use: only generation evals pay for nltk
+
+    kinds = ("rouge1", "rouge2", "rougeL")
+    scorer = rouge_scorer.RougeScorer(list(kinds), use_stemmer=True)
+    totals = dict.fromkeys(kinds, 0.0)
+    for prediction, reference in zip(predictions, references, strict=True):
+        scores = scorer.score(reference, prediction)  # rouge-score takes (target, prediction)
+        for kind in kinds:
+            totals[kind] += scores[kind].fmeasure
+    return {kind: total / max(len(references), 1) for kind, total in totals.items()}
+
+
+def bleu(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Corpus BLEU (sacrebleu defaults: 13a tokenization, exp smoothing), on sacrebleu's 0-100 scale."""
+    import sacrebleu
+
+    return {"bleu": sacrebleu.corpus_bleu(predictions, [references]).score}
+
+
+BUILTIN: dict[str, MetricFn] = {"exact_match": exact_match, "rouge": rouge, "bleu": bleu}
+
+
+def resolve_metrics(names: list[str] | None) -> list[MetricFn]:
+    """The metric functions a recipe names (all built-ins when it names none), or an error naming the bad one."""
+    return [resolve_metric(name) for name in (DEFAULT_METRICS if names is None else names)]
+
+
+def resolve_metric(name: str) -> MetricFn:
+    """A built-in metric by name, or a user function `module.path:function`."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" not in name:
+        close = difflib.get_close_matches(name, BUILTIN, n=1)
+        hint = f"Did you mean `{close[0]}`? " if close else ""
+        raise SFTError(f"Unknown metric `{name}` in `metrics`. {hint}Use {', '.join(BUILTIN)}, or a function of "
+                       "your own as `module.path:function` (called with predictions and references, returning a dict).")
+    module_name, _, attribute = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise SFTError(f"Metric `{name}`: cannot import module {module_name} ({err}). Is it installed or on "
+                       "PYTHONPATH?") from None
+    function = vars(module).get(attribute)
+    if not callable(function):
+        raise SFTError(f"Metric `{name}`: module {module_name} has no function `{attribute}`.")
+    return function
+
+
+def compute_metrics(functions: list[MetricFn], predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Every metric's values in one dict; a user function returning something else than a dict is an error."""
+    results: dict[str, float] = {}
+    for function in functions:
+        values = function(predictions, references)
+        if not isinstance(values, dict):
+            raise SFTError(f"Metric function {function.__module__}.{function.__name__} returned "
+                           f"{type(values).__name__}; it must return a dict of metric names to numbers.")
+        results.update({str(key): float(value) for key, value in values.items()})
+    return results

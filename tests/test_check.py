@@ -1,0 +1,44 @@
+"""`sft check`: every shipped recipe dry-runs on a tiny model of its architecture; broken recipes fail fast."""
+
+import pytest
+
+from conftest import REPO
+from sft.catalog import list_recipes
+from sft.cli import main
+from sft.check import guess_model_type
+
+RECIPES = list_recipes(REPO / "recipes")
+
+
+@pytest.fixture(autouse=True)
+def from_repo_root(monkeypatch):
+    monkeypatch.chdir(REPO)  # recipes name data/ paths relative to the repository
+
+
+def test_quickstart_passes_check(capsys):
+    assert main(["check", "recipes/quickstart.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny llama" in out and "OK: the recipe is sound." in out
+
+
+@pytest.mark.parametrize("typo, hint", [("learnig_rate: 1.0e-4", "learning_rate"),
+                                        ("max_seq_length: 512", "renamed: use `max_length`")])
+def test_a_misspelled_or_renamed_key_fails_check_naming_it(tmp_path, capsys, typo, hint):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text((REPO / "recipes" / "quickstart.yaml").read_text() + typo + "\n")
+    assert main(["check", str(broken)]) == 2
+    assert hint in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, model_type", [("meta-llama/Llama-3.1-8B-Instruct", "llama"),
+                                              ("mistralai/Mistral-7B-Instruct-v0.3", "mistral"),
+                                              ("Qwen/Qwen2.5-7B-Instruct", "qwen2"), ("google/flan-t5-base", "t5")])
+def test_architecture_is_guessed_offline_from_the_hub_id(name, model_type):
+    assert guess_model_type(name) == model_type
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_every_shipped_recipe_passes_check(recipe, capsys):
+    assert main(["check", str(recipe.path)]) == 0, capsys.readouterr().err[-3000:]
+    assert "OK: the recipe is sound." in capsys.readouterr().out

@@ -1,0 +1,111 @@
+"""Generation metrics against their definitions on fixed strings; user metric functions by import path."""
+
+import math
+import re
+from collections import Counter
+
+import pytest
+
+from sft import SFTError
+from sft.metrics import bleu, compute_metrics, exact_match, resolve_metrics, rouge
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def ngrams(tokens: list[str], n: int) -> Counter:
+    return Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
+
+
+def f1(overlap: int, predicted: int, reference: int) -> float:
+    precision, recall = overlap / predicted, overlap / reference
+    return 2 * precision * recall / (precision + recall) if overlap else 0.0
+
+
+def lcs(a: list[str], b: list[str]) -> int:
+    table = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
+    for i, x in enumerate(a):
+        for j, y in enumerate(b):
+            table[i + 1][j + 1] = table[i][j] + 1 if x == y else max(table[i][j + 1], table[i + 1][j])
+    return table[-1][-1]
+
+
+def reference_rouge(prediction: str, reference: str) -> dict[str, float]:
+    """ROUGE-N and ROUGE-L F1 from their definitions (Lin, 2004), for text where stemming changes nothing."""
+    p, r = words(prediction), words(reference)
+    scores = {f"rouge{n}": f1(sum((ngrams(p, n) & ngrams(r, n)).values()), len(p) - n + 1, len(r) - n + 1)
+              for n in (1, 2)}
+    return {**scores, "rougeL": f1(lcs(p, r), len(p), len(r))}
+
+
+def reference_bleu(predictions: list[str], references: list[str]) -> float:
+    """Corpus BLEU (Papineni et al., 2002): clipped n-gram precisions 1-4, geometric mean, brevity penalty; 0-100."""
+    matches, totals, hyp_len, ref_len = [0] * 4, [0] * 4, 0, 0
+    for prediction, reference in zip(predictions, references):
+        p, r = prediction.split(), reference.split()
+        hyp_len, ref_len = hyp_len + len(p), ref_len + len(r)
+        for n in range(1, 5):
+            matches[n - 1] += sum((ngrams(p, n) & ngrams(r, n)).values())
+            totals[n - 1] += max(len(p) - n + 1, 0)
+    log_precision = sum(math.log(m / t) for m, t in zip(matches, totals)) / 4
+    brevity = 1.0 if hyp_len > ref_len else math.exp(1 - ref_len / hyp_len)
+    return 100 * brevity * math.exp(log_precision)
+
+
+PAIRS = [("the cat sat on the mat", "the cat is on the mat"),
+         ("a quick brown fox jumps over the dog", "the quick brown fox jumps over the lazy dog"),
+         ("completely different words", "nothing in common here")]
+
+
+def test_exact_match_ignores_only_surrounding_whitespace():
+    assert exact_match([" Paris", "paris", "Paris\n", "Lyon"], ["Paris", "Paris", "Paris", "Paris"]) == \
+        {"exact_match": 0.5}
+
+
+def test_rouge_matches_its_definition():
+    scores = rouge([p for p, _ in PAIRS], [r for _, r in PAIRS])
+    expected = [reference_rouge(p, r) for p, r in PAIRS]
+    for kind in ("rouge1", "rouge2", "rougeL"):
+        assert scores[kind] == pytest.approx(sum(e[kind] for e in expected) / len(PAIRS), abs=1e-9)
+    assert rouge(["the cat sat on the mat"], ["the cat is on the mat"]) == pytest.approx(
+        {"rouge1": 5 / 6, "rouge2": 3 / 5, "rougeL": 5 / 6})  # worked by hand
+
+
+def test_rouge_stems_words_as_summarisation_papers_do():
+    assert rouge(["the cats running"], ["the cat runs"])["rouge1"] == pytest.approx(1.0)
+
+
+def test_bleu_matches_its_definition():
+    predictions = ["the quick brown fox jumps over the dog", "a cat sat on the mat today"]
+    references = ["the quick brown fox jumps over the lazy dog", "a cat sat on the mat"]
+    assert bleu(predictions, references)["bleu"] == pytest.approx(reference_bleu(predictions, references), abs=1e-6)
+    assert bleu(["a b c d e"], ["a b c d e"])["bleu"] == pytest.approx(100.0)
+
+
+def test_user_metric_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_metrics.py").write_text(
+        "def score(predictions, references):\n"
+        "    return {'longer': sum(len(p) > len(r) for p, r in zip(predictions, references))}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    functions = resolve_metrics(["exact_match", "my_metrics:score"])
+    assert compute_metrics(functions, ["abc", "x"], ["ab", "x"]) == {"exact_match": 0.5, "longer": 1.0}
+
+
+def test_default_metrics_are_the_builtins():
+    assert compute_metrics(resolve_metrics(None), ["a b"], ["a b"]).keys() == {
+        "exact_match", "rouge1", "rouge2", "rougeL", "bleu"}
+
+
+@pytest.mark.parametrize("name, message", [("rogue", "Did you mean `rouge`"), ("no_such_module_xyz:f", "cannot import"),
+                                           ("math:no_such_function", "has no function `no_such_function`")])
+def test_bad_metric_names_are_config_errors(name, message):
+    with pytest.raises(SFTError, match=message):
+        resolve_metrics([name])
+
+
+def test_a_user_function_must_return_a_dict(tmp_path, monkeypatch):
+    (tmp_path / "bad_metrics.py").write_text("def score(predictions, references):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SFTError, match="must return a dict"):
+        compute_metrics(resolve_metrics(["bad_metrics:score"]), ["a"], ["a"])

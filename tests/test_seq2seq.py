@@ -1,0 +1,179 @@
+"""Encoder-decoder SFT: seq2seq encoding, Seq2SeqSFTTrainer (full and LoRA), token-normalised loss, memorisation."""
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5Config, T5ForConditionalGeneration
+
+from conftest import FIXTURES, write_json
+from sft import Seq2SeqSFTTrainer, SFTConfig, SFTError, build_datasets, load_recipe, train
+from sft.encode import IGNORE_INDEX
+from sft.seq2seq import fit_keeping_special
+
+FLAN_T5_TOKENIZER = FIXTURES / "tokenizers" / "flan-t5-seq2seq-no-chat-template"
+PAIRS = [("add 1 and 2", "3"), ("add 3 and 4", "7"), ("the capital of France", "Paris"), ("greet me", "Hello"),
+         ("what is the weather like", "fine"), ("add 5 and 5", "10"), ("the quick brown fox", "jumps"),
+         ("how are you today", "I am fine")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Two shared CPU cores: one torch thread per test process runs ~10x faster than two fighting for them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_t5(tokenizer, seed: int = 0) -> T5ForConditionalGeneration:
+    """A 2+2-layer T5 with d_model 64, no dropout; decoding starts from the pad id, as T5's does."""
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=len(tokenizer), d_model=64, d_ff=128, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, d_kv=16, dropout_rate=0.0, decoder_start_token_id=tokenizer.pad_token_id,
+                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return T5ForConditionalGeneration(config).float()
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory, tokenizer) -> Path:
+    path = tmp_path_factory.mktemp("tiny-t5")
+    make_t5(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    rows = [{"source": s, "target": t} for s, t in PAIRS]
+    return write_json(tmp_path_factory.mktemp("data") / "pairs.jsonl", rows, jsonl=True)
+
+
+def recipe(t5_dir: Path, data: Path, out: Path, **overrides) -> SFTConfig:
+    values = dict(model_name_or_path=str(t5_dir), dataset=str(data), output_dir=str(out), report_to="none",
+                  save_strategy="no", dtype="float32", per_device_train_batch_size=8, per_device_eval_batch_size=8,
+                  learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=10, use_cpu=True)
+    return load_recipe({**values, **overrides})
+
+
+def test_encoder_input_is_the_source_and_labels_the_target_plus_eos(t5_dir, pairs_file, tokenizer, tmp_path):
+    train_set, _ = build_datasets(recipe(t5_dir, pairs_file, tmp_path), tokenizer)
+    for row, (source, target) in zip(train_set, PAIRS):
+        assert row["input_ids"] == tokenizer(source)["input_ids"]  # the tokenizer's special tokens (here BOS)
+        assert row["labels"] == tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        assert IGNORE_INDEX not in row["labels"]
+
+
+def test_column_mapping_and_prompt_completion_rows(t5_dir, tokenizer, tmp_path):
+    dialogue = write_json(tmp_path / "d.json", [{"dialogue": "Hello, how are you?", "summary": "A greeting."}])
+    config = recipe(t5_dir, dialogue, tmp_path, dataset=[{"path": str(dialogue),
+                                                          "columns": {"dialogue": "source", "summary": "target"}}])
+    row = build_datasets(config, tokenizer)[0][0]
+    assert row["input_ids"] == tokenizer("Hello, how are you?")["input_ids"]
+    assert config.dataset_format == "seq2seq"
+    completion = write_json(tmp_path / "pc.json", [{"prompt": "Q: 2+3?", "completion": "5"}])
+    row = build_datasets(recipe(t5_dir, completion, tmp_path), tokenizer)[0][0]
+    assert row["input_ids"] == tokenizer("Q: 2+3?")["input_ids"] and row["labels"][-1] == tokenizer.eos_token_id
+
+
+def test_text_data_is_refused_for_encoder_decoder_models(t5_dir, tokenizer, tmp_path):
+    text = write_json(tmp_path / "t.json", [{"text": "just text"}])
+    with pytest.raises(SFTError, match="Encoder-decoder models need source/target pairs"):
+        build_datasets(recipe(t5_dir, text, tmp_path), tokenizer)
+
+
+def test_decoder_only_models_read_seq2seq_rows_as_prompt_and_completion(tiny_model_dir, pairs_file, tokenizer,
+                                                                        tmp_path):
+    config = load_recipe(dict(model_name_or_path=str(tiny_model_dir), dataset=str(pairs_file),
+                              output_dir=str(tmp_path)))
+    row = build_datasets(config, tokenizer)[0][0]
+    trained = [t for t in row["labels"] if t != IGNORE_INDEX]
+    assert tokenizer.decode(row["input_ids"], skip_special_tokens=True) == "add 1 and 2\n3"
+    assert tokenizer.decode(trained, skip_special_tokens=True).strip() == "3" and trained[-1] == tokenizer.eos_token_id
+
+
+def test_sft_data_shows_source_and_target(t5_dir, pairs_file, tmp_path, capsys):
+    from sft.cli import main
+
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(f"model_name_or_path: {t5_dir}\ndataset: {pairs_file}\noutput_dir: {tmp_path}\n")
+    assert main(["data", str(recipe_file), "--show", "1"]) == 0
+    shown = capsys.readouterr().out
+    assert "<s>add 1 and 2\n--- target:\n[[3</s>]]" in shown and "2 target tokens (all trained)" in shown
+
+
+def test_truncation_keeps_the_tokenizers_special_tokens():
+    # [BOS] a b c d [EOS] cut to 4 keeps both ends' special tokens
+    ids, special = [1, 10, 11, 12, 13, 2], [1, 0, 0, 0, 0, 1]
+    assert fit_keeping_special(ids, special, 4, "right") == ([1, 10, 11, 2], True)
+    assert fit_keeping_special(ids, special, 4, "left") == ([1, 12, 13, 2], True)
+    assert fit_keeping_special(ids, special, 6, "right") == (ids, False)
+
+
+@pytest.mark.skipif(not (FLAN_T5_TOKENIZER / "tokenizer.json").exists(), reason="flan-t5 tokenizer fixture absent")
+def test_flan_t5_tokenizer_ends_sources_and_targets_with_eos(t5_dir, pairs_file, tmp_path):
+    t5_tokenizer = AutoTokenizer.from_pretrained(FLAN_T5_TOKENIZER)
+    config = recipe(t5_dir, pairs_file, tmp_path, max_length=4)
+    row = build_datasets(config, t5_tokenizer)[0][2]  # "the capital of France" -> "Paris"
+    assert len(row["input_ids"]) == 4 and row["input_ids"][-1] == t5_tokenizer.eos_token_id
+    assert row["labels"] == t5_tokenizer("Paris")["input_ids"]  # T5 appends </s> itself: same tokens
+
+
+def one_step_grads(tokenizer, batch: int, accumulation: int, out: Path) -> tuple[float, dict]:
+    """One SGD step (lr 1) on four pairs of very different target lengths; logged loss and weight change."""
+    model = make_t5(tokenizer, seed=1)
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    rows = []
+    for source, target in (("a", "b"), ("hello there", "the capital of France is Paris"), ("c", "d e"), ("f g", "h")):
+        rows.append({"input_ids": tokenizer(source)["input_ids"],
+                     "labels": tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]})
+    args = SFTConfig(output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                     max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
+                     logging_steps=1, report_to="none", save_strategy="no", seed=3, use_cpu=True)
+    trainer = Seq2SeqSFTTrainer(model=model, args=args, processing_class=tokenizer,
+                                train_dataset=datasets.Dataset.from_list(rows))
+    trainer.train()
+    loss = next(e["loss"] for e in trainer.state.log_history if "loss" in e)
+    return loss, {k: before[k] - v.detach() for k, v in model.named_parameters()}
+
+
+def test_seq2seq_loss_is_normalised_by_the_trained_tokens_of_the_step(tokenizer, tmp_path):
+    loss_full, grads_full = one_step_grads(tokenizer, 4, 1, tmp_path / "full")
+    loss_accum, grads_accum = one_step_grads(tokenizer, 1, 4, tmp_path / "accum")
+    assert loss_accum == pytest.approx(loss_full, abs=1e-5)
+    for name, grad in grads_full.items():
+        assert torch.allclose(grad, grads_accum[name], atol=1e-5), name
+
+
+@pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])
+def test_tiny_t5_trains_and_generates(t5_dir, pairs_file, tmp_path, use_peft):
+    out = train(recipe(t5_dir, pairs_file, tmp_path / "run", max_steps=6, logging_steps=2, use_peft=use_peft, lora_r=4,
+                       eval_dataset=str(pairs_file), predict_with_generate=True, max_new_tokens=4))
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    losses = [e["loss"] for e in history if "loss" in e]
+    assert losses and all(loss == loss for loss in losses)  # finite
+    results = json.loads((out / "eval_results.json").read_text())
+    assert {"eval_loss", "eval_exact_match", "eval_rouge1", "eval_rougeL", "eval_bleu"} <= set(results)
+    assert len((out / "predictions.jsonl").read_text().splitlines()) == len(PAIRS)
+    if use_peft:
+        adapter = json.loads((out / "adapter_config.json").read_text())
+        assert adapter["task_type"] == "SEQ_2_SEQ_LM"
+        assert {"q", "k", "v", "o", "wi", "wo"} <= set(adapter["target_modules"])
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(AutoModelForSeq2SeqLM.from_pretrained(t5_dir), str(out))
+    else:
+        model = AutoModelForSeq2SeqLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    generated = model.generate(**tokenizer(["add 1 and 2"], return_tensors="pt"), max_new_tokens=3)
+    assert generated.shape[0] == 1 and 2 <= generated.shape[1] <= 4  # decoder start + 1 to 3 new tokens
+
+
+def test_tiny_t5_memorises_its_pairs_and_generation_eval_scores_them(t5_dir, pairs_file, tmp_path):
+    out = train(recipe(t5_dir, pairs_file, tmp_path / "run", max_steps=120, eval_dataset=str(pairs_file),
+                       predict_with_generate=True, max_new_tokens=8, metrics=["exact_match"]))
+    assert json.loads((out / "eval_results.json").read_text())["eval_exact_match"] == 1.0
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert sorted((r["reference"], r["prediction"]) for r in records) == sorted((t, t) for _, t in PAIRS)
