@@ -11,6 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests are hermetic: never reach 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Tiny models gain nothing from intra-op threads, and 2 threads per test process oversubscribe a 2-core CI box.
+torch.set_num_threads(1)
+
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED_MODEL = REPO / "data" / "models" / "tiny-llama"
 FIXTURES = REPO.parent / "shared" / "fixtures"
