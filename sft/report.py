@@ -36,7 +36,9 @@ def write_model_card(config: SFTConfig, metrics: dict, data_stats: dict, path: P
     """A README.md naming the base model, data, recipe and final metrics."""
     recipe = resolved_recipe(config)
     lines = [
-        "---", "library_name: transformers", f"base_model: {config.model_name_or_path}", "tags: [sft]", "---", "",
+        "---", f"library_name: {'peft' if config.use_peft else 'transformers'}",
+        f"base_model: {config.model_name_or_path}", "tags: [sft, lora]" if config.use_peft else "tags: [sft]",
+        "---", "",
         f"# {Path(config.output_dir).name}", "",
         f"Fine-tuned from `{config.model_name_or_path}` with [sft](https://pypi.org/project/sft) "
         "(supervised fine-tuning on transformers.Trainer).", "",
