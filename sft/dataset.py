@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 import datasets
+import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
@@ -98,7 +99,7 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
     if len(tokenized) == 0:
         raise SFTError(f"Dataset {source.label}: all {len(raw)} rows were dropped because no trained token fits in "
                        f"max_length={config.max_length}. Raise max_length or shorten the prompts.")
-    truncated = sum(tokenized["truncated"])
+    truncated = pc.sum(tokenized.with_format("arrow")["truncated"]).as_py() or 0  # no per-row Python iteration
     tokenized = tokenized.remove_columns("truncated")
     dropped = len(raw) - len(tokenized)
     return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, truncated)

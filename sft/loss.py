@@ -12,7 +12,8 @@ from torch import nn
 
 from sft.encode import IGNORE_INDEX
 
-CHUNK_TOKENS = 1024
+MIN_CHUNK_ROWS = 128  # below this the head matmuls get inefficient
+CHUNK_ELEMENTS = 1 << 23  # logits per chunk (32 MB in fp32): a few rows for big vocabularies, more for small ones
 # Architectures whose logits are exactly lm_head(decoder(x)): no soft-capping or scaling after the head.
 PLAIN_HEAD_MODELS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma",
                      "olmo", "olmo2", "starcoder2"}
@@ -30,11 +31,16 @@ class LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk], targets[start:start + chunk]
+            rows = torch.arange(t.shape[0], device=t.device)
             logits = (h @ weight.T).float()
-            logsumexp = torch.logsumexp(logits, dim=-1)
-            total += (logsumexp - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            grad_logits = torch.softmax(logits, dim=-1)  # d(loss)/d(logits) = softmax - onehot
-            grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+            target_logit = logits[rows, t]
+            # One exp pass, in place: logits become softmax probabilities = d(loss)/d(logits) + onehot.
+            peak = logits.amax(dim=-1, keepdim=True)
+            probs = logits.sub_(peak).exp_()
+            sums = probs.sum(dim=-1, keepdim=True)
+            total += (peak.squeeze(1) + sums.squeeze(1).log() - target_logit).sum()
+            grad_logits = probs.div_(sums)
+            grad_logits[rows, t] -= 1.0
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[start:start + chunk] = grad_logits @ weight
             if need_weight_grad:
@@ -74,7 +80,8 @@ def chunked_causal_loss(model: nn.Module, inputs: dict, normalizer: torch.Tensor
         normalizer = keep.sum()
     normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
     weight = model.get_output_embeddings().weight
-    return LinearCrossEntropy.apply(picked_hidden, weight, picked_targets, normalizer, CHUNK_TOKENS)
+    chunk = max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // weight.shape[0])
+    return LinearCrossEntropy.apply(picked_hidden, weight, picked_targets, normalizer, chunk)
 
 
 def reference_causal_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Tensor | int) -> torch.Tensor:

@@ -5,7 +5,7 @@ import torch
 
 from conftest import make_llama
 from sft.encode import IGNORE_INDEX
-from sft.loss import CHUNK_TOKENS, LinearCrossEntropy, chunked_causal_loss, reference_causal_loss
+from sft.loss import LinearCrossEntropy, chunked_causal_loss, reference_causal_loss
 
 
 def batch(vocab: int, seed: int = 0):
@@ -23,7 +23,8 @@ def batch(vocab: int, seed: int = 0):
 
 @pytest.mark.parametrize("normalizer", [None, 97])
 def test_chunked_loss_and_gradients_equal_the_plain_ones(normalizer, monkeypatch):
-    monkeypatch.setattr("sft.loss.CHUNK_TOKENS", 7)  # several chunks, a ragged last one
+    monkeypatch.setattr("sft.loss.MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr("sft.loss.CHUNK_ELEMENTS", 7 * 300)  # 7-row chunks over a 300-token vocabulary: ragged split
     model = make_llama(300)
     inputs = batch(300)
     trained = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
@@ -43,7 +44,7 @@ def test_frozen_head_gets_no_gradient_but_hidden_does():
     hidden = torch.randn(10, 8, requires_grad=True)
     weight = torch.randn(50, 8)
     targets = torch.randint(0, 50, (10,))
-    loss = LinearCrossEntropy.apply(hidden, weight, targets, torch.tensor(10.0), CHUNK_TOKENS)
+    loss = LinearCrossEntropy.apply(hidden, weight, targets, torch.tensor(10.0), 3)
     loss.backward()
     reference = torch.nn.functional.cross_entropy(hidden.detach().requires_grad_() @ weight.T, targets)
     assert torch.allclose(loss, reference, atol=1e-6) and hidden.grad is not None and weight.grad is None
