@@ -16,7 +16,7 @@ def test_the_corpus_has_at_least_30_cases():
 
 
 def fill(text: str, model: Path) -> str:
-    return text.replace("{dir}", str(CORPUS)).replace("{model}", str(model))
+    return text.replace("{dir}", str(CORPUS)).replace("{model}", str(model)).replace("{repo}", str(CORPUS.parents[1]))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
