@@ -21,15 +21,6 @@ QA = [("Q: add 1 and 2\nA:", " 3"), ("Q: the capital of France\nA:", " Paris"), 
       ("Q: add 5 and 5\nA:", " 10"), ("Q: how are you\nA:", " I am fine")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two shared CPU cores: one torch thread per test process runs ~10x faster than two fighting for them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def qa_file(tmp_path_factory) -> Path:
     rows = [{"prompt": p, "completion": c} for p, c in QA]

@@ -21,15 +21,6 @@ from conftest import FIXTURES
 VOCAB = 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine threads make them ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The packer
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Exact resume: a run SIGKILLed at random steps and resumed ends bitwise equal to an uninterrupted run."""
 
-import os
 import random
 import signal
 import subprocess

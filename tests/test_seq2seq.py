@@ -19,15 +19,6 @@ PAIRS = [("add 1 and 2", "3"), ("add 3 and 4", "7"), ("the capital of France", "
          ("how are you today", "I am fine")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two shared CPU cores: one torch thread per test process runs ~10x faster than two fighting for them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_t5(tokenizer, seed: int = 0) -> T5ForConditionalGeneration:
     """A 2+2-layer T5 with d_model 64, no dropout; decoding starts from the pad id, as T5's does."""
     torch.manual_seed(seed)
