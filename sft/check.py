@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config import SFTConfig
 from sft.errors import SFTError
@@ -60,6 +61,7 @@ def check_recipe(path: str, flags: list[str] | None = None) -> CheckReport:
     """Validate and dry-run a recipe on CPU; raises SFTError with what is wrong."""
     start = time.perf_counter()
     config = load_recipe(path, flags=flags)
+    unset_hf_deepspeed_config()  # validating a ZeRO-3 recipe sets a global that would partition the tiny model
     report = CheckReport(recipe=str(path))
     with tempfile.TemporaryDirectory(prefix="sft-check-") as tmp:
         overrides = cpu_overrides(config, report, Path(tmp))
