@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, PretrainedConfig,
                           PreTrainedModel, PreTrainedTokenizerBase)
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.adapters import add_adapter, base_model_name, is_adapter_folder, load_trained_adapter
 from sft.config import SFTConfig
@@ -73,6 +74,10 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     """The recipe's causal or encoder-decoder LM (dtype or bitsandbytes quantization), embeddings fit to the
     tokenizer, LoRA if use_peft."""
     name = check_model_reference(config.model_name_or_path)
+    if not config.deepspeed:
+        # Building any ZeRO-3 TrainingArguments in this process (e.g. validating another recipe) leaves a global
+        # that makes from_pretrained partition weights; a model for a run without DeepSpeed must not inherit it.
+        unset_hf_deepspeed_config()
     adapter = name if is_adapter_folder(name) else None  # a use_peft run: load its base, then the adapter on it
     name = base_model_name(adapter) if adapter else name
     kwargs = dict(revision=config.revision, cache_dir=config.cache_dir, trust_remote_code=config.trust_remote_code,

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import datasets
 import transformers
-from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config import SFTConfig
 from sft.dataset import prepare_splits
@@ -35,10 +34,6 @@ def train(config: SFTConfig) -> Path:
     """
     resume = resume_setting(config.resume_from_checkpoint)
     check_before_loading(config, resume)
-    if not config.deepspeed:
-        # Building any ZeRO-3 TrainingArguments in this process (e.g. validating another recipe) leaves a global
-        # that makes from_pretrained partition weights; a run without DeepSpeed must not inherit it.
-        unset_hf_deepspeed_config()
     tokenizer = load_tokenizer(config)
     train_data, eval_data = prepare_splits(config, tokenizer)  # data errors surface before the model loads
     stats = compute_stats(train_data.dataset, config.max_length, train_data.dropped_rows, train_data.truncated_rows)
@@ -143,8 +138,6 @@ def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: di
 def evaluate(config: SFTConfig) -> dict[str, float]:
     """Teacher-forced loss and perplexity on the recipe's eval set, plus generation metrics and predictions.jsonl
     with predict_with_generate; writes eval_results.json to output_dir."""
-    if not config.deepspeed:
-        unset_hf_deepspeed_config()  # see train()
     tokenizer = load_tokenizer(config)
     _, eval_data = prepare_splits(config, tokenizer)
     if eval_data is None:
