@@ -1,7 +1,7 @@
 """build_datasets: recipe sources -> tokenized train/eval datasets with input_ids and labels (-100 = not trained)."""
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -24,12 +24,25 @@ TOKEN_COLUMNS = ["input_ids", "labels", "length"]
 
 
 @dataclass
+class SourceFormat:
+    """What data building decided for one source: its format and whether only its completions are trained."""
+
+    source: str
+    format: str
+    completion_only_loss: bool
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.format}" + (", completion only" if self.completion_only_loss else "")
+
+
+@dataclass
 class Prepared:
-    """A tokenized dataset and how many rows were dropped or truncated on the way."""
+    """A tokenized dataset, how many rows were dropped or truncated on the way, and each source's format."""
 
     dataset: datasets.Dataset
     dropped_rows: int
     truncated_rows: int
+    sources: list[SourceFormat] = field(default_factory=list)
 
 
 def build_datasets(config: SFTConfig, tokenizer: PreTrainedTokenizerBase | None = None,
@@ -63,38 +76,37 @@ def prepare_splits(config: SFTConfig, tokenizer: PreTrainedTokenizerBase | None 
 
 def prepare(sources: list[Source], config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared:
     """Load, render, tokenize and weight every source, then concatenate them."""
-    formats: set[str] = set()
-    parts = [prepare_source(s, config, tokenizer, formats) for s in sources]
-    if config.dataset_format == "auto" and len(formats) == 1:
-        config.dataset_format = formats.pop()  # recipe.yaml records what was detected
+    parts = [prepare_source(s, config, tokenizer) for s in sources]
     dataset = datasets.concatenate_datasets([p.dataset for p in parts]) if len(parts) > 1 else parts[0].dataset
     if len(dataset) == 0:
         raise SFTError(f"No training rows left in {', '.join(s.label for s in sources)}: every row was dropped "
                        f"(no trained token within max_length={config.max_length}). Raise max_length or check the data.")
-    return Prepared(dataset, sum(p.dropped_rows for p in parts), sum(p.truncated_rows for p in parts))
+    return Prepared(dataset, sum(p.dropped_rows for p in parts), sum(p.truncated_rows for p in parts),
+                    [decided for p in parts for decided in p.sources])
 
 
-def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedTokenizerBase,
-                   formats: set[str]) -> Prepared:
+def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared:
     """One source: detect its format, tokenize it in batches, count what was dropped or truncated."""
     raw = load_source(source)
     if len(raw) == 0:
         raise SFTError(f"Dataset {source.label} has no rows.")
     fmt = resolve_format(config, raw.column_names, source.label)
-    formats.add(fmt)
+    # Decided per source: in `[text.jsonl, alpaca.json]` the text is trained whole, the Alpaca prompts are not.
+    decided = SourceFormat(source.label, fmt, default_completion_only(fmt) if config.completion_only_loss is None
+                           else config.completion_only_loss)
     from sft.model import is_encoder_decoder  # deferred: keeps `import sft.dataset` light
 
     if is_encoder_decoder(config):  # T5, BART, ...: source -> encoder input_ids, target + EOS -> labels
         render, encoding = pair_renderer(fmt), Seq2SeqEncoding(tokenizer, config.max_length, config.truncation_side)
     else:
-        render = make_renderer(config, fmt, tokenizer, raw)
+        render = make_renderer(config, decided, tokenizer, raw)
         splits = config.packing and config.packing_strategy == "bfd_split"  # the packer cuts long examples into chunks
         encoding = Encoding(tokenizer, sys.maxsize if splits else config.max_length, config.truncation_side)
     tokenized = raw.map(
         encode_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
         num_proc=config.dataset_num_proc, desc=f"Tokenizing {source.label}",
         fn_kwargs={"render": render, "encoding": encoding, "where": source.label},
-        new_fingerprint=cache_fingerprint(raw, tokenizer, config, fmt, encoding),
+        new_fingerprint=cache_fingerprint(raw, tokenizer, config, decided, encoding),
     )
     if len(tokenized) == 0:
         raise SFTError(f"Dataset {source.label}: all {len(raw)} rows were dropped because no trained token fits in "
@@ -102,15 +114,15 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
     truncated = pc.sum(tokenized.with_format("arrow")["truncated"]).as_py() or 0  # no per-row Python iteration
     tokenized = tokenized.remove_columns("truncated")
     dropped = len(raw) - len(tokenized)
-    return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, truncated)
+    return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, truncated, [decided])
 
 
 CACHE_FIELDS = ("completion_only_loss", "max_length", "truncation_side", "assistant_only_loss", "chat_template",
                 "train_on_last_turn_only", "no_assistant_turn", "packing", "packing_strategy")
 
 
-def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, config: SFTConfig, fmt: str,
-                      encoding: Encoding | Seq2SeqEncoding) -> str:
+def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, config: SFTConfig,
+                      decided: SourceFormat, encoding: Encoding | Seq2SeqEncoding) -> str:
     """Cache key of the tokenized data: the raw data, the tokenizer, the recipe fields that matter and sft's code.
 
     datasets would otherwise hash the mapped function with dill (the tokenizer object included), which costs more
@@ -120,21 +132,21 @@ def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
     code = [Path(module.__file__).read_bytes() for module in modules]
     tok = [tokenizer.backend_tokenizer.to_str(), str(tokenizer.chat_template), str(tokenizer.special_tokens_map),
            type(tokenizer).__name__]
-    fields = [fmt, type(encoding).__name__, *(str(getattr(config, name)) for name in CACHE_FIELDS)]
+    fields = [decided.format, decided.completion_only_loss, type(encoding).__name__, *(str(getattr(config, name)) for name in CACHE_FIELDS)]
     return Hasher.hash([raw._fingerprint, tok, fields, code])
 
 
 def resolve_format(config: SFTConfig, columns: list[str], where: str) -> str:
-    """The recipe's dataset_format, or the one detected from columns; records the resolved value."""
+    """The recipe's dataset_format, or the one detected from this source's columns."""
     fmt = detect_format(columns, where) if config.dataset_format == "auto" else config.dataset_format
     check_columns(fmt, columns, where)
-    if config.completion_only_loss is None:
-        config.completion_only_loss = default_completion_only(fmt)
     return fmt
 
 
-def make_renderer(config: SFTConfig, fmt: str, tokenizer: PreTrainedTokenizerBase, raw: datasets.Dataset) -> Callable:
-    """The row -> Rendered function for this format; chat data renders through the chat template."""
+def make_renderer(config: SFTConfig, decided: SourceFormat, tokenizer: PreTrainedTokenizerBase,
+                  raw: datasets.Dataset) -> Callable:
+    """The row -> Rendered function for this source's format; chat data renders through the chat template."""
+    fmt = decided.format
     conversational = fmt in CHAT_FORMATS or (fmt == "prompt_completion" and isinstance(raw[0]["prompt"], list))
     chat = None
     if conversational:
@@ -142,7 +154,7 @@ def make_renderer(config: SFTConfig, fmt: str, tokenizer: PreTrainedTokenizerBas
 
         chat = ChatRenderer(tokenizer, config.chat_template, config.assistant_only_loss,
                             config.train_on_last_turn_only, config.no_assistant_turn)
-    return row_renderer(fmt, bool(config.completion_only_loss), chat)
+    return row_renderer(fmt, decided.completion_only_loss, chat)
 
 
 def encode_batch(batch: dict, indices: list[int], render: Callable, encoding: Encoding, where: str) -> dict:
@@ -160,4 +172,5 @@ def split_off_eval(train: Prepared, size: float, seed: int) -> tuple[Prepared, P
     if len(train.dataset) < 2 or (test_size >= 1 and test_size >= len(train.dataset)):
         raise SFTError(f"eval_split_size={size} leaves no training rows out of {len(train.dataset)}.")
     parts = train.dataset.train_test_split(test_size=test_size, seed=seed, shuffle=True)
-    return Prepared(parts["train"], train.dropped_rows, train.truncated_rows), Prepared(parts["test"], 0, 0)
+    return (Prepared(parts["train"], train.dropped_rows, train.truncated_rows, train.sources),
+            Prepared(parts["test"], 0, 0, train.sources))

@@ -37,9 +37,12 @@ class Encoding:
         ids = list(alignment.ids)
         labels = trained_labels(alignment, row.spans)
         eos = self.tokenizer.eos_token_id
-        if row.append_eos and eos is not None and (not ids or ids[-1] != eos):
-            ids.append(eos)
-            labels.append(eos if row.spans else IGNORE_INDEX)
+        if row.append_eos and eos is not None:
+            if not ids or ids[-1] != eos:  # not already appended by the tokenizer (add_eos_token) or the text
+                ids.append(eos)
+                labels.append(IGNORE_INDEX)
+            if row.spans:  # trained once, whoever appended it: the tokenizer's EOS has no characters in any span
+                labels[-1] = eos
         ids, labels, cut = self._truncate(ids, labels)
         out["input_ids"].append(ids)
         out["labels"].append(labels)

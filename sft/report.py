@@ -32,7 +32,7 @@ def plot_loss(log_history: list[dict], path: Path) -> bool:
     return True
 
 
-def write_model_card(config: SFTConfig, metrics: dict, data_stats: dict, path: Path) -> None:
+def write_model_card(config: SFTConfig, metrics: dict, data_stats: dict, path: Path, formats: str) -> None:
     """A README.md naming the base model, data, recipe and final metrics."""
     recipe = resolved_recipe(config)
     lines = [
@@ -43,7 +43,7 @@ def write_model_card(config: SFTConfig, metrics: dict, data_stats: dict, path: P
         f"Fine-tuned from `{config.model_name_or_path}` with [sft](https://pypi.org/project/sft) "
         "(supervised fine-tuning on transformers.Trainer).", "",
         "## Data", "", f"- dataset: `{json.dumps(recipe.get('dataset'))}`",
-        f"- format: {config.dataset_format}, max_length {config.max_length}",
+        f"- format: {formats}; max_length {config.max_length}",
         *[f"- {k.replace('_', ' ')}: {v}" for k, v in data_stats.items() if v is not None], "",
         "## Results", "", "| metric | value |", "| --- | --- |",
         *[f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in sorted(metrics.items())], "",

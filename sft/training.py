@@ -35,7 +35,9 @@ def train(config: SFTConfig) -> Path:
     resume = resume_setting(config.resume_from_checkpoint)
     check_before_loading(config, resume)
     tokenizer = load_tokenizer(config)
-    train_data, eval_data = prepare_splits(config, tokenizer)  # data errors surface before the model loads
+    with config.main_process_first(desc="tokenizing"):  # the main process tokenizes; the others load its cache
+        train_data, eval_data = prepare_splits(config, tokenizer)  # data errors surface before the model loads
+    log.info("Data formats: %s", "; ".join(map(str, train_data.sources)))
     stats = compute_stats(train_data.dataset, config.max_length, train_data.dropped_rows, train_data.truncated_rows)
     train_set, eval_set = apply_packing(config, train_data.dataset, eval_data.dataset if eval_data else None, stats)
     log.info("\n%s", stats.table("Training data"))
@@ -50,7 +52,8 @@ def train(config: SFTConfig) -> Path:
             f"Stopped by {trainer.stop_on_signal.signal_name} at step {trainer.state.global_step}; checkpoint saved in "
             f"{output_dir}. Resume with the same command plus --resume_from_checkpoint true.",
             trainer.stop_on_signal.exit_code)
-    save_run(trainer, config, stats, result.metrics, has_eval=eval_data is not None)
+    save_run(trainer, config, stats, result.metrics, has_eval=eval_data is not None,
+             formats="; ".join(map(str, train_data.sources)))
     return output_dir
 
 
@@ -114,7 +117,8 @@ def prepare_output_dir(config: SFTConfig, resume: str | bool | None, trainer: SF
     return out
 
 
-def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: dict, has_eval: bool) -> None:
+def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: dict, has_eval: bool,
+             formats: str) -> None:
     """Model, tokenizer, results, state, recipe, data stats, loss plot and model card."""
     out = Path(config.output_dir)
     prepare_final_save(trainer)
@@ -132,14 +136,15 @@ def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: di
     save_recipe(config, out / "recipe.yaml")
     (out / "data_stats.json").write_text(json.dumps(stats.as_dict(), indent=2) + "\n")
     plot_loss(trainer.state.log_history, out / "loss.png")
-    write_model_card(config, metrics, stats.as_dict(), out / "README.md")
+    write_model_card(config, metrics, stats.as_dict(), out / "README.md", formats)
 
 
 def evaluate(config: SFTConfig) -> dict[str, float]:
     """Teacher-forced loss and perplexity on the recipe's eval set, plus generation metrics and predictions.jsonl
     with predict_with_generate; writes eval_results.json to output_dir."""
     tokenizer = load_tokenizer(config)
-    _, eval_data = prepare_splits(config, tokenizer)
+    with config.main_process_first(desc="tokenizing"):
+        _, eval_data = prepare_splits(config, tokenizer)
     if eval_data is None:
         raise SFTError("sft eval needs an eval set: set `eval_dataset`, or `eval_split_size` to hold out rows.")
     model = load_model(config, tokenizer)

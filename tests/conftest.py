@@ -16,7 +16,8 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED_MODEL = REPO / "data" / "models" / "tiny-llama"
-FIXTURES = REPO.parent / "shared" / "fixtures"
+# Beside the checkout (CI, /work/main); SFT_FIXTURES points elsewhere (e.g. from a git worktree).
+FIXTURES = Path(os.environ.get("SFT_FIXTURES", REPO.parent / "shared" / "fixtures"))
 CORPUS = [
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
     "### Instruction:\nAdd the two numbers.\n\n### Input:\n2 and 3\n\n### Response:5",

@@ -10,6 +10,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5Config, T5ForCo
 
 from conftest import FIXTURES, write_json
 from sft import Seq2SeqSFTTrainer, SFTConfig, SFTError, build_datasets, load_recipe, train
+from sft.dataset import prepare_splits
 from sft.encode import IGNORE_INDEX
 from sft.seq2seq import fit_keeping_special
 
@@ -61,9 +62,9 @@ def test_column_mapping_and_prompt_completion_rows(t5_dir, tokenizer, tmp_path):
     dialogue = write_json(tmp_path / "d.json", [{"dialogue": "Hello, how are you?", "summary": "A greeting."}])
     config = recipe(t5_dir, dialogue, tmp_path, dataset=[{"path": str(dialogue),
                                                           "columns": {"dialogue": "source", "summary": "target"}}])
-    row = build_datasets(config, tokenizer)[0][0]
-    assert row["input_ids"] == tokenizer("Hello, how are you?")["input_ids"]
-    assert config.dataset_format == "seq2seq"
+    train, _ = prepare_splits(config, tokenizer)
+    assert train.dataset[0]["input_ids"] == tokenizer("Hello, how are you?")["input_ids"]
+    assert [s.format for s in train.sources] == ["seq2seq"] and config.dataset_format == "auto"  # not mutated
     completion = write_json(tmp_path / "pc.json", [{"prompt": "Q: 2+3?", "completion": "5"}])
     row = build_datasets(recipe(t5_dir, completion, tmp_path), tokenizer)[0][0]
     assert row["input_ids"] == tokenizer("Q: 2+3?")["input_ids"] and row["labels"][-1] == tokenizer.eos_token_id
