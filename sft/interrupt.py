@@ -1,19 +1,29 @@
-"""Clean interruption: SIGINT/SIGTERM stop training at the next step boundary with a checkpoint."""
+"""Clean interruption: SIGINT/SIGTERM stop training at the next step boundary with a checkpoint, on every rank.
+
+A signal often reaches one process only (a preempted node, `kill` of one rank) or reaches ranks in different steps.
+Each rank only records what it received; at every step end all ranks agree (one tiny all-gather), so they stop after
+the same step and enter the collective checkpoint save together instead of hanging in mismatched collectives.
+"""
 
 import logging
 import signal
 from types import FrameType
 
+import torch
+from accelerate import Accelerator
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 log = logging.getLogger(__name__)
 
 
 class StopOnSignal(TrainerCallback):
-    """Turns the first SIGINT/SIGTERM into 'save and stop after this step'; a second one aborts at once."""
+    """Turns the first SIGINT/SIGTERM seen by any rank into 'save and stop after this step' on all ranks; a second
+    one aborts the receiving process at once."""
 
-    def __init__(self) -> None:
-        self.signal_name: str | None = None
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+        self.received: int = 0  # signal number this process caught (0: none); set from the handler
+        self.signal_name: str | None = None  # the signal all ranks agreed to stop on
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
@@ -31,15 +41,27 @@ class StopOnSignal(TrainerCallback):
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signal_name is not None:
+        if self.received:
             raise KeyboardInterrupt  # second signal: the user really wants out now
-        self.signal_name = signal.Signals(signum).name
+        self.received = signum
         log.warning("%s received: finishing this step, saving a checkpoint, then stopping "
-                    "(send it again to abort without saving).", self.signal_name)
+                    "(send it again to abort without saving).", signal.Signals(signum).name)
+
+    def agree(self) -> bool:
+        """Whether any rank has received a signal; a collective, so every rank must call it at the same point."""
+        if self.signal_name is None:
+            # The handler may fire during the gather: only the gathered value decides, identically on every rank.
+            seen = self.accelerator.gather(torch.tensor([self.received], device=self.accelerator.device))
+            if int(seen.max()):
+                self.signal_name = signal.Signals(int(seen.max())).name
+                if not self.received:
+                    log.warning("%s received by another process: stopping after this step with a checkpoint.",
+                                self.signal_name)
+        return self.signal_name is not None
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: object) -> TrainerControl:
-        if self.signal_name is not None:
+        if self.agree():
             control.should_save = True
             control.should_training_stop = True
         return control

@@ -56,7 +56,7 @@ class SFTMixin:
         # The Trainer's own NEFTune hook scales noise by the padded/packed row length; ours by each example's.
         self._neftune = NEFTune(self.neftune_noise_alpha) if self.neftune_noise_alpha else None
         self.neftune_noise_alpha = None
-        self.stop_on_signal = StopOnSignal()
+        self.stop_on_signal = StopOnSignal(self.accelerator)
         self.add_callback(self.stop_on_signal)
         self._staging: str | None = None
         self._eval_sums = torch.zeros(2)
