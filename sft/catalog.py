@@ -22,10 +22,40 @@ class RecipeInfo:
         return shlex.split(self.fields.get("Launch", ""))
 
 
+def shipped(folder: str) -> Path:
+    """A folder shipped with sft (`recipes`, `data`): inside the package in an installed wheel (sft/recipes,
+    sft/data), else beside it in a source checkout (editable install, PYTHONPATH)."""
+    package = Path(__file__).resolve().parent
+    return package / folder if (package / folder).is_dir() else package.parent / folder
+
+
 def default_root() -> Path:
-    """./recipes when run from a checkout, else the recipes folder beside the installed package."""
+    """./recipes when run from a checkout, else the recipes shipped with sft."""
     here = Path("recipes")
-    return here if here.is_dir() else Path(__file__).resolve().parents[1] / "recipes"
+    return here if here.is_dir() else shipped("recipes")
+
+
+def shipped_recipe(reference: str | Path) -> Path | None:
+    """The shipped recipe a missing path refers to: a catalog name (`quickstart`, `mistral-7b/full-zero3`) or a
+    path under recipes/ (`recipes/quickstart.yaml`, as the docs write it); None if there is none."""
+    if not Path(reference).name or Path(reference).is_absolute():
+        return None
+    parts = Path(reference).with_suffix(".yaml").parts
+    candidate = shipped("recipes").joinpath(*parts[1:] if parts[0] == "recipes" else parts)
+    return candidate if candidate.is_file() else None
+
+
+def rebase_shipped_data(value: object) -> object:
+    """A shipped recipe's `data/...` paths (sample data, the embedded models), pointed at sft's shipped data when
+    they are not under the current directory: the quickstarts then run from any directory."""
+    if isinstance(value, dict):
+        return {key: rebase_shipped_data(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [rebase_shipped_data(item) for item in value]
+    if isinstance(value, str) and value.startswith("data/") and not Path(value).exists():
+        located = shipped("data") / value.removeprefix("data/")
+        return str(located) if located.exists() else value
+    return value
 
 
 def read_header(path: Path, root: Path) -> RecipeInfo:

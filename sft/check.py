@@ -15,12 +15,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from sft.catalog import shipped
 from sft.config import SFTConfig
 from sft.errors import SFTError
 from sft.recipe import load_recipe
 
 log = logging.getLogger(__name__)
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = shipped("data")
 EMBEDDED_TOKENIZER = DATA / "models" / "tiny-llama"
 SAMPLE_ROWS = 64  # enough for 2 steps and a short eval; keeps the check to seconds
 SAMPLES = {"messages": "chat_sample.jsonl", "alpaca": "alpaca_sample.json", "seq2seq": "seq2seq_sample.jsonl",

@@ -14,10 +14,11 @@ from transformers import (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQ_TO_SEQ_CAUS
                           PretrainedConfig, Trainer)
 
 from sft.adapters import base_model_name, is_adapter_folder
+from sft.catalog import shipped
 from sft.errors import SFTError
 
 log = logging.getLogger(__name__)
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = shipped("recipes")
 PRESETS = ("ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload")
 ACCELERATE_CONFIGS = {name: RECIPES / "accelerate" / f"{name}.yaml" for name in PRESETS}
 DEEPSPEED_CONFIGS = {name: RECIPES / "deepspeed" / f"{name}.json" for name in ("zero2", "zero3", "zero3_offload")}

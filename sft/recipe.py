@@ -56,7 +56,13 @@ def read_recipe_file(path: str | Path) -> dict:
     """The key/value mapping in a YAML recipe file."""
     path = Path(path)
     if not path.is_file():
-        raise SFTError(f"Recipe {path} does not exist. Pass the path to a .yaml recipe (see `sft recipes`).")
+        from sft.catalog import rebase_shipped_data, shipped_recipe
+
+        shipped = shipped_recipe(path)
+        if shipped is None:
+            raise SFTError(f"Recipe {path} does not exist. Pass the path to a .yaml recipe, or the name of a "
+                           "shipped one (see `sft recipes`).")
+        return rebase_shipped_data(read_recipe_file(shipped))
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:

@@ -1,0 +1,40 @@
+"""The location rule for shipped files: recipes by catalog name or recipes/ path from any directory, their data/
+paths pointed at sft's shipped data unless the current directory has its own."""
+
+import json
+
+import pytest
+
+from conftest import REPO
+from sft import SFTError, load_recipe
+from sft.catalog import shipped
+
+
+@pytest.mark.parametrize("reference", ["quickstart", "recipes/quickstart.yaml", "quickstart.yaml"])
+def test_a_shipped_recipe_loads_from_any_directory(tmp_path, monkeypatch, reference):
+    monkeypatch.chdir(tmp_path)
+    config = load_recipe(reference)
+    assert config.model_name_or_path == str(shipped("data") / "models" / "tiny-llama")
+    assert config.dataset == str(shipped("data") / "alpaca_sample.json")
+    assert config.output_dir == "outputs/quickstart"  # outputs stay where the user runs it
+
+
+def test_local_files_win_over_shipped_ones(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "alpaca_sample.json").write_text(json.dumps([{"instruction": "a", "output": "b"}]))
+    assert load_recipe("quickstart").dataset == "data/alpaca_sample.json"
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "quickstart.yaml").write_text("learning_rate: 0.5\n")
+    assert load_recipe("recipes/quickstart.yaml").learning_rate == 0.5
+
+
+def test_the_checkout_layout_is_found_from_a_checkout():
+    assert shipped("recipes") == REPO / "recipes" and shipped("data") == REPO / "data"
+
+
+@pytest.mark.parametrize("reference", ["no-such-recipe", "recipes/nope.yaml", "/abs/missing.yaml"])
+def test_an_unknown_recipe_is_one_clear_error(tmp_path, monkeypatch, reference):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SFTError, match="does not exist. Pass the path to a .yaml recipe, or the name of a shipped"):
+        load_recipe(reference)
