@@ -82,7 +82,7 @@ def prepare(sources: list[Source], config: SFTConfig, tokenizer: PreTrainedToken
         raise SFTError(f"No training rows left in {', '.join(s.label for s in sources)}: every row was dropped "
                        f"(no trained token within max_length={config.max_length}). Raise max_length or check the data.")
     return Prepared(dataset, sum(p.dropped_rows for p in parts), sum(p.truncated_rows for p in parts),
-                    [decided for p in parts for decided in p.sources])
+                    sources=[decided for p in parts for decided in p.sources])
 
 
 def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared:
@@ -114,7 +114,7 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
     truncated = pc.sum(tokenized.with_format("arrow")["truncated"]).as_py() or 0  # no per-row Python iteration
     tokenized = tokenized.remove_columns("truncated")
     dropped = len(raw) - len(tokenized)
-    return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, truncated, [decided])
+    return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, truncated, sources=[decided])
 
 
 CACHE_FIELDS = ("completion_only_loss", "max_length", "truncation_side", "assistant_only_loss", "chat_template",
@@ -172,5 +172,5 @@ def split_off_eval(train: Prepared, size: float, seed: int) -> tuple[Prepared, P
     if len(train.dataset) < 2 or (test_size >= 1 and test_size >= len(train.dataset)):
         raise SFTError(f"eval_split_size={size} leaves no training rows out of {len(train.dataset)}.")
     parts = train.dataset.train_test_split(test_size=test_size, seed=seed, shuffle=True)
-    return (Prepared(parts["train"], train.dropped_rows, train.truncated_rows, train.sources),
-            Prepared(parts["test"], 0, 0, train.sources))
+    return (Prepared(parts["train"], train.dropped_rows, train.truncated_rows, sources=train.sources),
+            Prepared(parts["test"], 0, 0, sources=train.sources))
