@@ -132,7 +132,8 @@ def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
     code = [Path(module.__file__).read_bytes() for module in modules]
     tok = [tokenizer.backend_tokenizer.to_str(), str(tokenizer.chat_template), str(tokenizer.special_tokens_map),
            type(tokenizer).__name__]
-    fields = [decided.format, decided.completion_only_loss, type(encoding).__name__, *(str(getattr(config, name)) for name in CACHE_FIELDS)]
+    fields = [decided.format, decided.completion_only_loss, type(encoding).__name__,
+              *(str(getattr(config, name)) for name in CACHE_FIELDS)]
     return Hasher.hash([raw._fingerprint, tok, fields, code])
 
 

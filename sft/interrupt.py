@@ -52,8 +52,9 @@ class StopOnSignal(TrainerCallback):
         if self.signal_name is None:
             # The handler may fire during the gather: only the gathered value decides, identically on every rank.
             seen = self.accelerator.gather(torch.tensor([self.received], device=self.accelerator.device))
-            if int(seen.max()):
-                self.signal_name = signal.Signals(int(seen.max())).name
+            agreed = int(seen.max())
+            if agreed:
+                self.signal_name = signal.Signals(agreed).name
                 if not self.received:
                     log.warning("%s received by another process: stopping after this step with a checkpoint.",
                                 self.signal_name)

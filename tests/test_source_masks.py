@@ -32,8 +32,8 @@ def expected_rows(tokenizer) -> dict[str, tuple[list[int], list[int]]]:
     prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=ALPACA[0]["instruction"])
     alpaca_ids = tokenizer(prompt + ALPACA[0]["output"])["input_ids"]
     alpaca_ids = alpaca_ids if alpaca_ids[-1] == eos else alpaca_ids + [eos]
-    n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) + (tokenizer.bos_token_id is not None
-                                                                                 and alpaca_ids[0] == tokenizer.bos_token_id)
+    prompt_ids = tokenizer(prompt)["input_ids"]  # BOS + prompt (+ EOS with add_eos_token, not part of the prompt)
+    n_prompt = len(prompt_ids) - (prompt_ids[-1] == eos)
     return {"text": (text_ids, [IGNORE_INDEX] + text_ids[1:]),
             "alpaca": (alpaca_ids, [IGNORE_INDEX] * n_prompt + alpaca_ids[n_prompt:])}
 
