@@ -6,9 +6,12 @@ from typing import Any
 
 import torch
 from transformers import Seq2SeqTrainingArguments
+from transformers.utils import is_torch_bf16_gpu_available, is_torch_tf32_available
 
-# Flags that only a GPU can honour. A recipe that sets them must still load (and pass `sft check`) on a laptop,
-# so they are validated when training starts, not when the recipe is read.
+# Flags a machine may be unable to honour. A recipe that sets them must still load (and pass `sft check`) on a
+# laptop: where the hardware lacks them they are held back from TrainingArguments' validation and reported when
+# training starts (hardware_problems); everywhere else they go through TrainingArguments.__post_init__, which sets
+# mixed_precision, fills DeepSpeed's "auto" bf16/fp16 entries and the FSDP mixed-precision policy, and enables TF32.
 GPU_ONLY_FLAGS = ("bf16", "bf16_full_eval", "tf32")
 
 
@@ -107,6 +110,8 @@ class SFTConfig(Seq2SeqTrainingArguments):
                                       "(default: all three built-ins).")
 
     recipe_keys: list[str] = field(default_factory=list, init=False, repr=False)  # the keys the user set
+    # use_cpu was turned on here because no accelerator is visible (not asked for by the recipe)
+    cpu_by_default: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.hub_token:
@@ -116,20 +121,36 @@ class SFTConfig(Seq2SeqTrainingArguments):
             self.hub_token = None
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are both true; pick one (bf16 on Ampere or newer GPUs, else fp16)")
-        deferred = {name: getattr(self, name) for name in GPU_ONLY_FLAGS if getattr(self, name)}
-        for name in deferred:  # let TrainingArguments validate the rest on any machine
+        if not self.use_cpu and not torch.accelerator.is_available():
+            # transformers trains on CPU here anyway, but only use_cpu tells accelerate so: with it a torchrun /
+            # `sft launch` of N processes is gloo data-parallel (not N independent runs) and bf16 is CPU autocast.
+            self.use_cpu = self.cpu_by_default = True
+        deferred = {name: getattr(self, name) for name in GPU_ONLY_FLAGS if getattr(self, name) and not
+                    _supported(name, self.use_cpu)}
+        for name in deferred:  # let TrainingArguments validate (and resolve) the rest on any machine
             setattr(self, name, False if name != "tf32" else None)
         super().__post_init__()
         for name, value in deferred.items():
             setattr(self, name, value)
-        self._gpu_only_flags = sorted(deferred)
+        self._unsupported_flags = sorted(deferred)
 
     def hardware_problems(self) -> list[str]:
-        """GPU-only flags this machine cannot honour, each as a message saying how to fix it."""
-        has_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        """GPU-only flags this machine cannot honour, each as a message saying how to fix it.
+
+        bf16 without any GPU is refused unless use_cpu was asked for: a GPU recipe that silently trains on CPU
+        (a broken CUDA install, the wrong machine) would look like a hang. With use_cpu it is CPU bf16 autocast.
+        """
+        cpu_bf16 = [name for name in ("bf16", "bf16_full_eval") if getattr(self, name) and self.cpu_by_default]
         return [
-            f"{name}: true needs a CUDA GPU with bfloat16/TF32 support, and this machine has none. "
-            f"Set {name}: false (or pass --{name} false) to run here."
-            for name in self._gpu_only_flags
-            if not has_bf16 and not (self.use_cpu and name.startswith("bf16"))
+            f"{name}: true needs a CUDA GPU with {'TF32' if name == 'tf32' else 'bfloat16'} support, and this "
+            f"machine has none. Set {name}: false (or pass --{name} false) to run here"
+            + (", or pass --use_cpu true to train under CPU bf16 autocast." if name != "tf32" else ".")
+            for name in sorted({*self._unsupported_flags, *cpu_bf16})
         ]
+
+
+def _supported(flag: str, use_cpu: bool) -> bool:
+    """Whether TrainingArguments accepts `flag` here: bf16 on a bf16 GPU or on CPU (autocast), TF32 on Ampere+."""
+    if flag == "tf32":
+        return is_torch_tf32_available()
+    return use_cpu or is_torch_bf16_gpu_available()

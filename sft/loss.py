@@ -6,9 +6,16 @@ and each chunk's gradients are computed in the forward pass (as fused linear-cro
 memory holds one chunk of logits and the head costs exactly its three matmuls, with no recomputation.
 """
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.utils import ModelOutput
 
 from sft.encode import IGNORE_INDEX
 
@@ -20,11 +27,15 @@ PLAIN_HEAD_MODELS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """sum(cross_entropy(hidden @ weight.T, targets)) / normalizer, with gradients computed chunk by chunk."""
+    """sum(cross_entropy(hidden @ weight.T, targets)) / normalizer, with gradients computed chunk by chunk.
+
+    With label smoothing eps each token's loss is (1 - eps) * nll + eps * mean over the vocabulary of -log p, the
+    formula of transformers' LabelSmoother.
+    """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, normalizer: torch.Tensor,
-                chunk: int) -> torch.Tensor:
+                chunk: int, smoothing: float = 0.0) -> torch.Tensor:
         need_weight_grad = weight.requires_grad
         grad_hidden = torch.zeros_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
@@ -34,13 +45,19 @@ class LinearCrossEntropy(torch.autograd.Function):
             rows = torch.arange(t.shape[0], device=t.device)
             logits = (h @ weight.T).float()
             target_logit = logits[rows, t]
+            mean_logit = logits.mean(dim=-1) if smoothing else None
             # One exp pass, in place: logits become softmax probabilities = d(loss)/d(logits) + onehot.
             peak = logits.amax(dim=-1, keepdim=True)
             probs = logits.sub_(peak).exp_()
             sums = probs.sum(dim=-1, keepdim=True)
-            total += (peak.squeeze(1) + sums.squeeze(1).log() - target_logit).sum()
+            log_norm = peak.squeeze(1) + sums.squeeze(1).log()
+            total += (log_norm - target_logit).sum() * (1 - smoothing)
+            if smoothing:  # mean over the vocabulary of -log p = log_norm - mean logit
+                total += (log_norm - mean_logit).sum() * smoothing
             grad_logits = probs.div_(sums)
-            grad_logits[rows, t] -= 1.0
+            grad_logits[rows, t] -= 1.0 - smoothing
+            if smoothing:
+                grad_logits -= smoothing / weight.shape[0]
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[start:start + chunk] = grad_logits @ weight
             if need_weight_grad:
@@ -54,7 +71,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, normalizer = ctx.saved_tensors
         scale = grad_output / normalizer
         weight_grad = (grad_weight * scale).to(grad_hidden.dtype) if ctx.need_weight_grad else None
-        return grad_hidden * scale.to(grad_hidden.dtype), weight_grad, None, None, None
+        return grad_hidden * scale.to(grad_hidden.dtype), weight_grad, None, None, None, None
 
 
 def supports_chunked_loss(model: nn.Module) -> bool:
@@ -66,22 +83,73 @@ def supports_chunked_loss(model: nn.Module) -> bool:
             and type(head) is nn.Linear and head.bias is None)
 
 
-def chunked_causal_loss(model: nn.Module, inputs: dict, normalizer: torch.Tensor | int | None) -> torch.Tensor:
-    """Sum of next-token cross entropy over trained positions / normalizer (default: their count)."""
-    inputs = dict(inputs)
-    labels = inputs.pop("labels")
-    inputs.pop("num_items_in_batch", None)
-    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+@dataclass
+class TrainedTokensOutput(ModelOutput):
+    """What the chunked forward returns: the loss, and in eval each position's token loss (0 where untrained)."""
+
+    loss: torch.Tensor | None = None
+    token_losses: torch.Tensor | None = None
+
+
+def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0) -> bool:
+    """Make the causal LM inside `model` (a PEFT model's base too) compute its loss with labels chunk-wise in its
+    own forward; returns whether it applies.
+
+    The forward is replaced on the instance, so every wrapper that calls the model (DDP, FSDP2, DeepSpeed, PEFT,
+    accelerate's autocast, torch.compile) runs it: parameters are gathered and gradients synchronised as for any
+    forward. Without labels (generate) the model's own forward runs unchanged.
+    """
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not supports_chunked_loss(lm):
+        return False
+    if getattr(lm.forward, "chunked_loss", False):
+        return True
+    original = lm.forward
+
+    @functools.wraps(original)  # keeps the signature: the Trainer reads it to keep dataset columns
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return chunked_forward(lm, *args, original=original, smoothing=label_smoothing, **kwargs)
+
+    forward.chunked_loss = True
+    lm.forward = forward
+    if is_deepspeed_zero3_enabled():
+        import deepspeed
+
+        # The head's weight is read here, not through lm_head's forward: ZeRO-3 gathers it for this module.
+        deepspeed.zero.register_external_parameter(lm, lm.get_output_embeddings().weight)
+    return True
+
+
+def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: float, labels: torch.Tensor | None = None,
+                    num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> Any:
+    """The model's forward; with labels, the decoder plus the head at trained positions only (see module doc)."""
+    if labels is None:
+        return original(*args, **kwargs)
+    for key in ("logits_to_keep", "return_dict", "use_cache"):
+        kwargs.pop(key, None)
+    hidden = self.get_decoder()(*args, use_cache=False, **kwargs).last_hidden_state
     targets = labels[:, 1:]
     keep = targets != IGNORE_INDEX
-    picked_hidden = hidden[:, :-1][keep]
-    picked_targets = targets[keep]
-    if normalizer is None:
-        normalizer = keep.sum()
-    normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
-    weight = model.get_output_embeddings().weight
+    weight = self.get_output_embeddings().weight
     chunk = max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // weight.shape[0])
-    return LinearCrossEntropy.apply(picked_hidden, weight, picked_targets, normalizer, chunk)
+    normalizer = keep.sum() if num_items_in_batch is None else num_items_in_batch
+    normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
+    if torch.is_grad_enabled():
+        loss = LinearCrossEntropy.apply(hidden[:, :-1][keep], weight, targets[keep], normalizer, chunk, smoothing)
+        return TrainedTokensOutput(loss=loss)
+    token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+    token_losses[keep] = chunked_token_losses(hidden[:, :-1][keep], weight, targets[keep], chunk)
+    return TrainedTokensOutput(loss=token_losses.sum() / normalizer, token_losses=token_losses)
+
+
+@torch.no_grad()
+def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Each row's cross entropy (fp32), one chunk of logits at a time: eval never holds full-vocabulary logits."""
+    out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        logits = (hidden[start:start + chunk] @ weight.T).float()
+        out[start:start + chunk] = F.cross_entropy(logits, targets[start:start + chunk], reduction="none")
+    return out
 
 
 def reference_causal_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Tensor | int) -> torch.Tensor:

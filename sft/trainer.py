@@ -16,12 +16,20 @@ from sft import checkpoints
 from sft.config import SFTConfig
 from sft.encode import IGNORE_INDEX
 from sft.interrupt import StopOnSignal
-from sft.loss import chunked_causal_loss, reference_causal_loss, supports_chunked_loss
+from sft.loss import attach_chunked_loss
 from sft.metrics import compute_metrics, resolve_metrics
 from sft.neftune import NEFTune, token_example_lengths
 from sft.predict import PromptGenerator, eval_generation_config, write_predictions
 from sft.seq2seq import seq2seq_token_loss
 from sft.packing import PackedCollator, PaddingFreeCollator
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """Each position's cross entropy (0 where untrained), next-token when `shifted`."""
+    if shifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                       reduction="none").view(labels.shape)
 
 
 def default_collator(tokenizer: PreTrainedTokenizerBase, args: Any) -> Any:
@@ -52,6 +60,9 @@ class SFTMixin:
         self._init_sft()
 
     def _init_sft(self) -> None:
+        smoothing = self.args.label_smoothing_factor
+        if getattr(self.args, "chunked_loss", True) and attach_chunked_loss(self.model, smoothing):
+            self.label_smoother = None  # the chunked forward applies it (LabelSmoother would need full logits)
         self._tokens_window, self._trained_total, self._window_start = 0, 0, time.perf_counter()
         # The Trainer's own NEFTune hook scales noise by the padded/packed row length; ours by each example's.
         self._neftune = NEFTune(self.neftune_noise_alpha) if self.neftune_noise_alpha else None
@@ -84,12 +95,8 @@ class SFTMixin:
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
-        """Training: the chunked trained-positions loss where exact; eval: also accumulate token-weighted sums."""
-        if model.training and not return_outputs and self._chunked_loss_applies(model, inputs):
-            loss = chunked_causal_loss(model, inputs, num_items_in_batch)
-            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-                loss = loss * self.accelerator.num_processes  # num_items_in_batch counts every rank's tokens
-            return loss
+        """The Trainer's loss (for plain-head causal LMs the model's chunked forward computes it); seq2seq training:
+        token-normalised; eval: also accumulate per-row token sums for the exact eval loss."""
         if model.training and not return_outputs and self._seq2seq_loss_applies(model, inputs):
             loss = seq2seq_token_loss(model, inputs, num_items_in_batch)
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
@@ -97,13 +104,8 @@ class SFTMixin:
             return loss
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if not model.training and return_outputs and "labels" in inputs:
-            self._add_eval_tokens(result[1], inputs["labels"])
+            self._add_eval_tokens(result[1], inputs)
         return result
-
-    def _chunked_loss_applies(self, model: nn.Module, inputs: dict[str, Any]) -> bool:
-        unwrapped = self.accelerator.unwrap_model(model)
-        return (self.args.chunked_loss and "labels" in inputs and not self.is_fsdp_enabled
-                and not self.is_deepspeed_enabled and supports_chunked_loss(unwrapped))
 
     def _seq2seq_loss_applies(self, model: nn.Module, inputs: dict[str, Any]) -> bool:
         # Only where the Trainer skips its division by the accumulation steps (the model "accepts loss kwargs").
@@ -111,31 +113,46 @@ class SFTMixin:
         return ("labels" in inputs and unwrapped.config.is_encoder_decoder and self.model_accepts_loss_kwargs
                 and self.label_smoother is None and self.compute_loss_func is None)
 
-    def _add_eval_tokens(self, outputs: Any, labels: torch.Tensor) -> None:
-        """Sum of token losses and trained-token count, so eval loss is a token mean however rows are grouped."""
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
+    def _add_eval_tokens(self, outputs: Any, inputs: dict[str, Any]) -> None:
+        """Per-row sums of token losses and trained tokens, so eval loss is a token mean however rows are grouped.
+
+        Multi-process, rows are gathered with gather_for_metrics, which drops the rows accelerate repeats to even
+        out the last batch. A flattened (padding-free) batch is split back into its examples; when those are packed
+        rows they cannot be told apart, and the repeats (at most one batch) count.
+        """
+        labels = inputs["labels"]
         shifted = not self.accelerator.unwrap_model(self.model).config.is_encoder_decoder
-        if shifted:
-            total = reference_causal_loss(logits.float(), labels, 1)
-            count = (labels[:, 1:] != IGNORE_INDEX).sum()
-        else:
-            total = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                                ignore_index=IGNORE_INDEX, reduction="sum")
-            count = (labels != IGNORE_INDEX).sum()
-        self._eval_sums += torch.stack([total.detach().float(), count.float()]).to(self._eval_sums.device)
+        token_losses = outputs.get("token_losses") if isinstance(outputs, dict) else None
+        if token_losses is None:  # models without the chunked forward return logits
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
+            token_losses = token_cross_entropy(logits, labels, shifted)
+        targets = labels[:, 1:] if shifted else labels
+        trained = targets != IGNORE_INDEX
+        rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)
+        if self._eval_split_examples:
+            rows = (inputs["position_ids"] == 0).cumsum(-1)[:, 1:] - 1  # example of each target token
+        values = torch.stack([token_losses[trained].float(), torch.ones_like(token_losses[trained])], dim=1)
+        sums = torch.zeros(int(rows.max()) + 1, 2, device=values.device).index_add_(0, rows[trained], values)
+        if self._eval_dedup:
+            sums = self.accelerator.gather_for_metrics(sums)
+        self._eval_sums += sums.sum(0).to(self._eval_sums.device)
 
     def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
         """Trainer.evaluation_loop with `<prefix>_loss` replaced by the exact mean over trained tokens, plus the
         generation metrics (and predictions.jsonl) with predict_with_generate."""
         self._eval_sums = torch.zeros(2, device=self.args.device)
+        flattened = isinstance(self.data_collator, PaddingFreeCollator)
+        packed = "position_ids" in (getattr(dataloader.dataset, "column_names", None) or [])
+        self._eval_split_examples = flattened and not packed
+        self._eval_dedup = self.accelerator.num_processes > 1 and not (flattened and packed)
         self._generator, self._predictions = (self._prompt_generator() if self._generating else None), []
         try:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                              metric_key_prefix)
         finally:
             generator, self._generator = self._generator, None
-        sums = self.accelerator.reduce(self._eval_sums, reduction="sum")
+        sums = self._eval_sums if self._eval_dedup else self.accelerator.reduce(self._eval_sums, reduction="sum")
         prefix = metric_key_prefix
         if sums[1] > 0 and f"{prefix}_loss" in output.metrics:
             output.metrics[f"{prefix}_loss"] = float(sums[0] / sums[1])
@@ -157,8 +174,9 @@ class SFTMixin:
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None, **gen_kwargs: Any) -> tuple:
         """Teacher-forced loss; with predict_with_generate also generate from each example's prompt alone."""
-        if self._generator is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if self._generator is None:  # without compute_metrics, logits would only be gathered and dropped
+            loss_only = prediction_loss_only or self.compute_metrics is None
+            return super().prediction_step(model, inputs, loss_only, ignore_keys=ignore_keys)
         loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
         rows = self._generator.examples(self._prepare_inputs(inputs))
         texts = iter(self._generator.generate([e for row in rows for e in row], self.args.device))

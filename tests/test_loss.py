@@ -5,7 +5,7 @@ import torch
 
 from conftest import make_llama
 from sft.encode import IGNORE_INDEX
-from sft.loss import LinearCrossEntropy, chunked_causal_loss, reference_causal_loss
+from sft.loss import LinearCrossEntropy, attach_chunked_loss, reference_causal_loss
 
 
 def batch(vocab: int, seed: int = 0):
@@ -33,7 +33,9 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones(normalizer, monkeypatch
     plain.backward()
     expected = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad()
-    chunked = chunked_causal_loss(model, inputs, normalizer)
+    assert attach_chunked_loss(model)
+    chunked = model(**inputs, num_items_in_batch=normalizer).loss  # the model's own forward computes it
+    assert model(input_ids=inputs["input_ids"]).logits.shape == (3, 20, 300)  # without labels: unchanged
     chunked.backward()
     assert torch.allclose(chunked, plain, atol=1e-6)
     for name, param in model.named_parameters():

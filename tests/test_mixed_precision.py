@@ -1,0 +1,79 @@
+"""bf16 / tf32 go through transformers' own resolution (mixed_precision, DeepSpeed "auto", FSDP policy), and a CPU
+bf16 step really runs the linear layers in bf16 under autocast while the master weights stay fp32."""
+
+import pytest
+import torch
+from torch import nn
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from conftest import make_llama
+from sft import SFTConfig, SFTTrainer
+from sft.errors import SFTError
+from sft.recipe import load_recipe
+from test_trainer import toy_dataset
+
+
+def test_bf16_sets_mixed_precision_and_the_zero3_json():
+    assert load_recipe({"bf16": True}).mixed_precision == "bf16"
+    assert load_recipe({}).mixed_precision == "no"
+    try:
+        zero3 = load_recipe({"bf16": True, "distributed": "zero3"}).hf_deepspeed_config.config
+        assert zero3["bf16"]["enabled"] is True  # "auto" in recipes/deepspeed/zero3.json, filled by transformers
+        assert load_recipe({"distributed": "zero3"}).hf_deepspeed_config.config["bf16"]["enabled"] is False
+    finally:
+        unset_hf_deepspeed_config()  # validating a ZeRO-3 recipe sets a process-wide global
+
+
+def test_bf16_gives_fsdp_a_bf16_mixed_precision_policy():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    def policy(values: dict):
+        config = load_recipe({**values, "distributed": "fsdp"})
+        plugin = FullyShardedDataParallelPlugin(**config.fsdp_plugin_args)  # as Trainer builds it
+        if config.mixed_precision != "no":  # as accelerate's AcceleratorState does under FSDP
+            plugin.set_mixed_precision(config.mixed_precision)
+        return plugin.mixed_precision_policy
+
+    bf16 = policy({"bf16": True})
+    assert bf16.param_dtype == torch.bfloat16 and bf16.reduce_dtype == torch.bfloat16
+    assert policy({}) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour on a machine without a GPU")
+def test_bf16_without_gpu_loads_but_train_asks_for_use_cpu(tmp_path):
+    config = load_recipe({"bf16": True, "output_dir": str(tmp_path / "out")})
+    assert config.use_cpu and config.cpu_by_default  # transformers would train on CPU here anyway
+    (problem,) = config.hardware_problems()
+    assert "bf16: true needs a CUDA GPU" in problem and "--use_cpu true" in problem and "--bf16 false" in problem
+    assert load_recipe({"bf16": True, "use_cpu": True}).hardware_problems() == []
+    from sft.training import train
+
+    with pytest.raises(SFTError, match="bf16"):
+        train(config)
+
+
+def train_step(tmp_path, tokenizer, **flags) -> tuple[float, set, nn.Module, dict]:
+    """One AdamW step on the toy data; returns loss, dtypes seen at the decoder's linear outputs, model, start."""
+    model = make_llama(len(tokenizer), seed=1)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    seen = set()
+    for module in model.model.modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_hook(lambda _m, _i, out: seen.add(out.dtype))
+    args = SFTConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=1,
+                     learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", seed=3,
+                     use_cpu=True, **flags)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=toy_dataset())
+    trainer.train()
+    loss = next(e["loss"] for e in trainer.state.log_history if "loss" in e)
+    return loss, seen, model, before
+
+
+def test_cpu_bf16_step_runs_linears_in_bf16_with_fp32_master_weights(tmp_path, tokenizer):
+    loss32, seen32, _, _ = train_step(tmp_path, tokenizer)
+    loss16, seen16, model, before = train_step(tmp_path, tokenizer, bf16=True)
+    assert seen32 == {torch.float32}  # negative control: the hook sees fp32 without autocast
+    assert seen16 == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(not torch.equal(p.detach(), before[k]) for k, p in model.named_parameters())  # all trained
+    assert loss16 == pytest.approx(loss32, rel=0.02) and loss16 != loss32
