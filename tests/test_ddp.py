@@ -1,0 +1,158 @@
+"""Two CPU processes with no extra flags (`torchrun`, `sft launch --num_processes 2`, and ZeRO-3): real data
+parallelism over gloo, trained with the chunked loss inside the wrapped model, equal to one process with the same
+global batch; and a multi-process eval loss equal to the one-process one on an eval set that does not divide the
+batch.
+
+Runs go through `sft train` on the embedded tiny Llama and its tokenizer (tests/batch_probe.py only records what
+each rank did).
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import EMBEDDED_MODEL, REPO
+from sft.launch import launch_command
+from sft.recipe import load_recipe
+from sft.training import train
+
+pytestmark = pytest.mark.multiprocess
+PROBE = REPO / "tests" / "batch_probe.py"
+ROWS = json.loads((REPO / "data" / "alpaca_sample.json").read_text())
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> Path:
+    """2 SGD steps of 2 rows per process on 8 Alpaca rows; 5 eval rows (a multiple of neither 2 nor 4)."""
+    if not (EMBEDDED_MODEL / "model.safetensors").exists():
+        pytest.skip(f"the embedded model {EMBEDDED_MODEL} is missing (scripts/make_tiny_model.py builds it)")
+    folder = tmp_path_factory.mktemp("ddp")
+    (folder / "train.json").write_text(json.dumps(ROWS[:8]))
+    (folder / "eval.json").write_text(json.dumps(ROWS[8:13]))
+    values = {"model_name_or_path": str(EMBEDDED_MODEL), "dataset": str(folder / "train.json"),
+              "eval_dataset": str(folder / "eval.json"), "dtype": "float32", "max_length": 128,
+              "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, "max_steps": STEPS,
+              # SGD without clipping: the weights move by exactly lr x gradient, so they compare gradients
+              # (Adam's first steps are nearly sign(gradient) and would hide a wrong scale)
+              "optim": "sgd", "max_grad_norm": 0.0, "learning_rate": 0.05, "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "no",
+              "report_to": "none", "seed": 0}
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def one_process(recipe: Path, out: Path, accumulation: int) -> Path:
+    train(load_recipe(recipe, gradient_accumulation_steps=accumulation, output_dir=str(out)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(recipe, tmp_path_factory) -> Path:
+    """One process, the same global batch of 4: 2 rows x gradient accumulation 2."""
+    return one_process(recipe, tmp_path_factory.mktemp("single") / "run", accumulation=2)
+
+
+def run(command: list) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{shlex.join(map(str, command))}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+
+
+def torchrun(*args) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", PROBE, *args]
+
+
+def assert_data_parallel(out: Path, wrapper: str) -> None:
+    """Both ranks in one distributed run, each step on different rows, every training forward chunked."""
+    ranks = [json.loads((out / f"batches-rank{r}.json").read_text()) for r in (0, 1)]
+    for report in ranks:
+        assert report["world_size"] == 2 and report["parallel_mode"] == "ParallelMode.DISTRIBUTED"
+        assert set(report["called"]) == {wrapper}
+        assert len(report["batches"]) == STEPS and report["chunked_train_forwards"] == STEPS
+    for step in range(STEPS):
+        rows = [{tuple(row) for row in report["batches"][step]} for report in ranks]
+        assert rows[0].isdisjoint(rows[1]), step
+
+
+def max_weight_difference(a: Path, b: Path) -> float:
+    first, second = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert set(first) == set(second)
+    return max(float((first[k] - second[k]).abs().max()) for k in first)
+
+
+def eval_loss(out: Path) -> float:
+    return json.loads((out / "eval_results.json").read_text())["eval_loss"]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(recipe, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("torchrun") / "run"
+    run(torchrun("train", recipe, "--output_dir", out))  # no --use_cpu: resolved because no GPU is visible
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
+def test_torchrun_is_data_parallel_and_equals_one_process(ddp_run, single, recipe, tmp_path):
+    assert_data_parallel(ddp_run, "DistributedDataParallel")
+    assert max_weight_difference(ddp_run, single) < 1e-5
+    # Negative control: half the global batch (what each rank alone would train on) lands measurably elsewhere.
+    half = one_process(recipe, tmp_path / "half", accumulation=1)
+    assert max_weight_difference(half, single) > 1e-4
+    initial = load_file(EMBEDDED_MODEL / "model.safetensors")
+    trained = load_file(single / "model.safetensors")
+    assert max(float((trained[k] - initial[k]).abs().max()) for k in initial) > 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
+def test_two_process_eval_loss_drops_the_rows_repeated_to_even_out_batches(ddp_run, single):
+    # 5 eval rows over 2 processes x 2 rows: accelerate repeats 3 rows in the last batch
+    assert eval_loss(ddp_run) == pytest.approx(eval_loss(single), abs=1e-5)
+    assert eval_loss(ddp_run) != pytest.approx(repeated_rows_loss(single), abs=1e-4)  # what counting them gives
+
+
+def repeated_rows_loss(out: Path) -> float:
+    """The eval loss of `out`'s model if the 3 rows accelerate repeats (the first ones) were counted too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sft.dataset import prepare_splits
+
+    config = load_recipe(out / "recipe.yaml", output_dir=str(out / "probe"))
+    _, eval_data = prepare_splits(config, AutoTokenizer.from_pretrained(out))
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    rows = [*eval_data.dataset, *list(eval_data.dataset)[:3]]
+    total = count = 0.0
+    for row in rows:
+        labels = torch.tensor(row["labels"][1:])
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1]
+        total += float(torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
+        count += int((labels != -100).sum())
+    return total / count
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
+def test_sft_launch_is_data_parallel_and_equals_one_process(recipe, single, tmp_path):
+    out = tmp_path / "launch"
+    command = launch_command(str(recipe), ["--output_dir", str(out)], num_processes=2)
+    module = command.index("-m")
+    run([*command[:module], PROBE, *command[module + 2:]])  # the probe in place of `-m sft`
+    assert_data_parallel(out, "DistributedDataParallel")
+    assert max_weight_difference(out, single) < 1e-5
+    assert eval_loss(out) == pytest.approx(eval_loss(single), abs=1e-5)
+
+
+def test_zero3_with_the_chunked_loss_equals_one_process(recipe, single, tmp_path):
+    out = tmp_path / "zero3"
+    run(torchrun("train", recipe, "--output_dir", out, "--distributed", "zero3"))
+    assert_data_parallel(out, "DeepSpeedEngine")
+    assert max_weight_difference(out, single) < 1e-5
+    assert eval_loss(out) == pytest.approx(eval_loss(single), abs=1e-5)
