@@ -1,0 +1,88 @@
+"""torch_compile on CPU compiles the module that computes the training loss (the chunked forward runs inside the
+compiled model), with the eager loss; label smoothing goes through the same forward as transformers' smoother."""
+
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from transformers.trainer_pt_utils import LabelSmoother
+
+import sft.loss
+from conftest import make_llama
+from sft import SFTConfig, SFTTrainer
+from test_loss import batch
+from test_trainer import toy_dataset
+
+
+class RecordingTrainer(SFTTrainer):
+    """Records, per training compute_loss, the class of the module called and the chunked forwards it ran."""
+
+    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+        before = CALLS["chunked"]
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training:
+            self.calls.append((type(model).__name__, CALLS["chunked"] - before))
+        return loss
+
+
+CALLS = {"chunked": 0}
+
+
+@pytest.fixture
+def count_chunked(monkeypatch):
+    original = sft.loss.chunked_forward
+
+    def counting(*args, **kwargs):
+        CALLS["chunked"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sft.loss, "chunked_forward", counting)
+
+
+def losses(tmp_path, tokenizer, **flags) -> tuple[list[float], list]:
+    model = make_llama(len(tokenizer), seed=1)
+    args = SFTConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3,
+                     logging_steps=1, report_to="none", save_strategy="no", seed=3, **flags)
+    trainer = RecordingTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=toy_dataset())
+    trainer.calls = []
+    trainer.train()
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e], trainer.calls
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+def test_torch_compile_compiles_the_module_that_computes_the_loss(tmp_path, tokenizer, count_chunked):
+    eager, eager_calls = losses(tmp_path, tokenizer)
+    # aot_eager: dynamo and AOT autograd as with inductor, without minutes of C++ codegen on a CI CPU (the gpu tier
+    # runs inductor)
+    compiled, compiled_calls = losses(tmp_path, tokenizer, torch_compile=True, torch_compile_backend="aot_eager")
+    assert eager_calls == [("LlamaForCausalLM", 1)] * 2
+    assert compiled_calls == [("OptimizedModule", 1)] * 2  # the chunked loss ran inside the compiled module's call
+    assert compiled == pytest.approx(eager, abs=1e-4)
+
+
+def test_label_smoothing_equals_transformers_label_smoother():
+    model = make_llama(300, initializer_range=0.3)  # peaked logits: smoothing changes the loss measurably
+    inputs = batch(300)
+    smoother = LabelSmoother(epsilon=0.1)
+    logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    expected = smoother({"logits": logits}, inputs["labels"], shift_labels=True, num_items_in_batch=50)
+    expected.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    sft.loss.attach_chunked_loss(model, label_smoothing=0.1)
+    smoothed = model(**inputs, num_items_in_batch=50).loss
+    smoothed.backward()
+    assert torch.allclose(smoothed, expected, atol=1e-6)
+    for name, param in model.named_parameters():
+        assert torch.allclose(param.grad, grads[name], atol=1e-6), name
+    plain = LabelSmoother(epsilon=0.0)({"logits": logits}, inputs["labels"], shift_labels=True, num_items_in_batch=50)
+    assert abs(float(plain) - float(smoothed.detach())) > 1e-2  # smoothing changes the loss: the comparison can fail
+
+
+def test_trainer_hands_label_smoothing_to_the_chunked_forward(tmp_path, tokenizer):
+    plain, _ = losses(tmp_path, tokenizer)
+    smoothed, _ = losses(tmp_path, tokenizer, label_smoothing_factor=0.1)
+    unchunked, _ = losses(tmp_path, tokenizer, label_smoothing_factor=0.1, chunked_loss=False)  # LabelSmoother
+    assert smoothed == pytest.approx(unchunked, abs=1e-4) and smoothed[0] != pytest.approx(plain[0], abs=1e-3)
