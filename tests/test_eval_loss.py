@@ -1,0 +1,66 @@
+"""Eval loss runs through the chunked forward: no full-vocabulary logits, the exact token mean for padded and
+padding-free batches. (Multi-process exactness: tests/test_ddp.py.)"""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from conftest import make_llama
+from sft import SFTConfig, SFTTrainer
+from sft.encode import IGNORE_INDEX
+from sft.loss import attach_chunked_loss, reference_causal_loss
+from test_loss import batch
+from test_trainer import toy_dataset
+
+VOCAB = 300
+
+
+class LargestVocabularyTensor(TorchFunctionMode):
+    """The most elements of any new tensor (not a view, such as the head's weight.T) with a vocabulary-sized last
+    dimension produced inside the block."""
+
+    largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dim() and out.shape[-1] == VOCAB and out._base is None:
+            self.largest = max(self.largest, out.numel())
+        return out
+
+
+def test_eval_forward_never_holds_full_vocabulary_logits(monkeypatch):
+    monkeypatch.setattr("sft.loss.MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr("sft.loss.CHUNK_ELEMENTS", 7 * VOCAB)
+    model = make_llama(VOCAB).eval()
+    inputs = batch(VOCAB)
+    with torch.no_grad(), LargestVocabularyTensor() as plain:
+        logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    assert plain.largest == 3 * 20 * VOCAB  # negative control: the plain forward holds them all
+    attach_chunked_loss(model)
+    with torch.no_grad(), LargestVocabularyTensor() as chunked:
+        out = model(**inputs)
+    assert chunked.largest <= 7 * VOCAB and "logits" not in out
+    trained = inputs["labels"][:, 1:] != IGNORE_INDEX
+    assert torch.equal(out.token_losses != 0, trained)
+    assert torch.allclose(out.loss, reference_causal_loss(logits, inputs["labels"], int(trained.sum())), atol=1e-6)
+
+
+def token_mean(model: torch.nn.Module) -> float:
+    total, count = 0.0, 0
+    for row in toy_dataset():
+        labels = torch.tensor(row["labels"][1:])
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1]
+        total += float(torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"))
+        count += int((labels != IGNORE_INDEX).sum())
+    return total / count
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_eval_loss_is_the_token_mean_over_the_eval_set(tmp_path, tokenizer, padding_free):
+    model = make_llama(len(tokenizer), seed=1)
+    expected = token_mean(model)
+    args = SFTConfig(output_dir=str(tmp_path), per_device_eval_batch_size=3, report_to="none",
+                     padding_free=padding_free)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer, eval_dataset=toy_dataset())
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, abs=1e-5)
