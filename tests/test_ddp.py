@@ -30,12 +30,10 @@ ROWS = json.loads((REPO / "data" / "alpaca_sample.json").read_text())
 STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> Path:
+def write_recipe(folder: Path, **overrides) -> Path:
     """2 SGD steps of 2 rows per process on 8 Alpaca rows; 5 eval rows (a multiple of neither 2 nor 4)."""
     if not (EMBEDDED_MODEL / "model.safetensors").exists():
         pytest.skip(f"the embedded model {EMBEDDED_MODEL} is missing (scripts/make_tiny_model.py builds it)")
-    folder = tmp_path_factory.mktemp("ddp")
     (folder / "train.json").write_text(json.dumps(ROWS[:8]))
     (folder / "eval.json").write_text(json.dumps(ROWS[8:13]))
     values = {"model_name_or_path": str(EMBEDDED_MODEL), "dataset": str(folder / "train.json"),
@@ -43,11 +41,16 @@ def recipe(tmp_path_factory) -> Path:
               "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, "max_steps": STEPS,
               # SGD without clipping: the weights move by exactly lr x gradient, so they compare gradients
               # (Adam's first steps are nearly sign(gradient) and would hide a wrong scale)
-              "optim": "sgd", "max_grad_norm": 0.0, "learning_rate": 0.05, "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "no",
-              "report_to": "none", "seed": 0}
+              "optim": "sgd", "max_grad_norm": 0.0, "learning_rate": 0.05, "lr_scheduler_type": "constant",
+              "logging_steps": 1, "save_strategy": "no", "report_to": "none", "seed": 0, **overrides}
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(values))
     return path
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> Path:
+    return write_recipe(tmp_path_factory.mktemp("ddp"))
 
 
 def one_process(recipe: Path, out: Path, accumulation: int) -> Path:

@@ -62,7 +62,7 @@ def train_step(tmp_path, tokenizer, **flags) -> tuple[float, set, nn.Module, dic
             module.register_forward_hook(lambda _m, _i, out: seen.add(out.dtype))
     args = SFTConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=1,
                      learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", seed=3,
-                     use_cpu=True, **flags)
+                     **{"use_cpu": True, **flags})
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=toy_dataset())
     trainer.train()
     loss = next(e["loss"] for e in trainer.state.log_history if "loss" in e)

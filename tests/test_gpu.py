@@ -1,0 +1,77 @@
+"""What only a GPU proves: bf16 end to end, packed == unpacked with sdpa and flash varlen kernels, QLoRA, FSDP2 with
+the chunked loss on one GPU, and inductor compile. Skipped without CUDA; run with `pytest -m gpu` on the lent
+machine (../shared/gpu/README.md)."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from conftest import make_llama
+from sft import SFTConfig, SFTTrainer
+from sft.packing import pack_dataset
+from test_compile import count_chunked, losses  # noqa: F401  (count_chunked is a fixture)
+from test_ddp import PROBE, STEPS, max_weight_difference, one_process, run, write_recipe
+from test_mixed_precision import train_step
+from test_trainer import toy_dataset
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_bf16_end_to_end_on_gpu(tmp_path, tokenizer):
+    loss32, seen32, _, _ = train_step(tmp_path, tokenizer, use_cpu=False, tf32=False)
+    loss16, seen16, model, _ = train_step(tmp_path, tokenizer, use_cpu=False, bf16=True)
+    assert seen32 == {torch.float32} and seen16 == {torch.bfloat16}
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # fp32 master weights
+    assert loss16 == pytest.approx(loss32, rel=0.02)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_packed_eval_loss_equals_unpacked_on_gpu(tmp_path, tokenizer, attn):
+    flash = attn.startswith("flash")
+    if flash and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    dtype = torch.bfloat16 if flash else torch.float32  # flash kernels take half precision only
+
+    def eval_loss(data, **flags) -> float:
+        model = make_llama(len(tokenizer), seed=1, attn_implementation=attn).to("cuda", dtype)
+        args = SFTConfig(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to="none", tf32=False,
+                         attn_implementation=attn, **flags)
+        return SFTTrainer(model=model, args=args, processing_class=tokenizer, eval_dataset=data).evaluate()["eval_loss"]
+
+    unpacked = eval_loss(toy_dataset())
+    packed = eval_loss(pack_dataset(toy_dataset(), 64), eval_packing=True)  # flash: flattened with cu_seq_lens
+    assert packed == pytest.approx(unpacked, abs=2e-2 if flash else 1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
+def test_qlora_trains_the_adapter_only_on_gpu(tmp_path):
+    from safetensors.torch import load_file
+
+    recipe = write_recipe(tmp_path, load_in_4bit=True, use_peft=True, bf16=True, optim="adamw_torch",
+                          learning_rate=1e-3)
+    out = one_process(recipe, tmp_path / "qlora", accumulation=1)
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert adapter and all(adapter[k].abs().sum() > 0 for k in adapter if "lora_B" in k)
+    assert not (out / "model.safetensors").exists()
+
+
+def test_fsdp2_with_the_chunked_loss_equals_plain_training_on_one_gpu(tmp_path):
+    recipe = write_recipe(tmp_path, tf32=False)
+    out = tmp_path / "fsdp"
+    run([*["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"], PROBE, "train", recipe,
+         "--output_dir", out, "--distributed", "fsdp"])
+    report = json.loads((out / "batches-rank0.json").read_text())
+    assert set(report["called"]) == {"FSDPLlamaForCausalLM"}  # fully_shard'ed root, not a DDP fallback
+    assert report["chunked_train_forwards"] == STEPS
+    plain = one_process(recipe, tmp_path / "plain", accumulation=1)
+    assert max_weight_difference(out, plain) < 1e-5
+
+
+def test_inductor_compile_computes_the_loss_on_gpu(tmp_path, tokenizer, count_chunked):  # noqa: F811
+    eager, _ = losses(tmp_path, tokenizer, tf32=False)
+    compiled, calls = losses(tmp_path, tokenizer, torch_compile=True, tf32=False)
+    assert calls == [("OptimizedModule", 1)] * 2
+    assert compiled == pytest.approx(eager, abs=1e-4)
