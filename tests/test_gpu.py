@@ -4,6 +4,7 @@ machine (../shared/gpu/README.md)."""
 
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_qlora_trains_the_adapter_only_on_gpu(tmp_path):
 def test_fsdp2_with_the_chunked_loss_equals_plain_training_on_one_gpu(tmp_path):
     recipe = write_recipe(tmp_path, tf32=False)
     out = tmp_path / "fsdp"
-    run([*["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"], PROBE, "train", recipe,
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", PROBE, "train", recipe,
          "--output_dir", out, "--distributed", "fsdp"])
     report = json.loads((out / "batches-rank0.json").read_text())
     assert set(report["called"]) == {"FSDPLlamaForCausalLM"}  # fully_shard'ed root, not a DDP fallback
