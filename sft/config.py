@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 from transformers import Seq2SeqTrainingArguments
-from transformers.utils import is_torch_bf16_gpu_available, is_torch_tf32_available
+from transformers.utils import is_torch_bf16_gpu_available, is_torch_tf32_available, is_torch_xla_available
 
 # Flags a machine may be unable to honour. A recipe that sets them must still load (and pass `sft check`) on a
 # laptop: where the hardware lacks them they are held back from TrainingArguments' validation and reported when
@@ -73,7 +73,8 @@ class SFTConfig(Seq2SeqTrainingArguments):
     eval_packing: bool | None = _help("Pack eval data too (default: same as packing).")
 
     chunked_loss: bool = _help("Compute the LM head and loss only at trained positions, in chunks (exact; less "
-                               "memory and compute). Used for plain-head causal LMs outside FSDP/DeepSpeed.", True)
+                               "memory and compute), in training and eval. Used for plain-head causal LMs, also "
+                               "under DDP, FSDP, DeepSpeed and torch_compile.", True)
 
     # PEFT (LoRA / DoRA / rsLoRA)
     use_peft: bool = _help("Train a LoRA adapter instead of all weights.", False)
@@ -121,7 +122,7 @@ class SFTConfig(Seq2SeqTrainingArguments):
             self.hub_token = None
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are both true; pick one (bf16 on Ampere or newer GPUs, else fp16)")
-        if not self.use_cpu and not torch.accelerator.is_available():
+        if not self.use_cpu and not (torch.accelerator.is_available() or is_torch_xla_available()):
             # transformers trains on CPU here anyway, but only use_cpu tells accelerate so: with it a torchrun /
             # `sft launch` of N processes is gloo data-parallel (not N independent runs) and bf16 is CPU autocast.
             self.use_cpu = self.cpu_by_default = True

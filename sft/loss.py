@@ -120,8 +120,9 @@ def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0) -> bool:
     return True
 
 
-def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: float, labels: torch.Tensor | None = None,
-                    num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> Any:
+def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: float,
+                    labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
+                    **kwargs: Any) -> Any:
     """The model's forward; with labels, the decoder plus the head at trained positions only (see module doc)."""
     if labels is None:
         return original(*args, **kwargs)

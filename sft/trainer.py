@@ -71,6 +71,7 @@ class SFTMixin:
         self.add_callback(self.stop_on_signal)
         self._staging: str | None = None
         self._eval_sums = torch.zeros(2)
+        self._eval_split_examples = self._eval_dedup = False  # set per evaluation (evaluation_loop)
         self._generating = isinstance(self.args, Seq2SeqTrainingArguments) and self.args.predict_with_generate
         # Unknown metric names or a bad import path fail here, before any training step.
         self._metric_fns = resolve_metrics(self.args.metrics if isinstance(self.args, SFTConfig) else None
