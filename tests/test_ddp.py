@@ -159,3 +159,12 @@ def test_zero3_with_the_chunked_loss_equals_one_process(recipe, single, tmp_path
     assert_data_parallel(out, "DeepSpeedEngine")
     assert max_weight_difference(out, single) < 1e-5
     assert eval_loss(out) == pytest.approx(eval_loss(single), abs=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
+def test_two_process_padding_free_eval_loss_equals_one_process(recipe, single, tmp_path):
+    # flattened batches are split back into their examples before the repeated ones are dropped
+    out = tmp_path / "eval"
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "sft", "eval",
+         recipe, "--model_name_or_path", single, "--padding_free", "true", "--output_dir", out])
+    assert eval_loss(out) == pytest.approx(eval_loss(single), abs=1e-5)
