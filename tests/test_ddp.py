@@ -65,7 +65,8 @@ def single(recipe, tmp_path_factory) -> Path:
 
 
 def run(command: list) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # this checkout's sft first
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
     result = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{shlex.join(map(str, command))}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
 
