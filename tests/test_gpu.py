@@ -71,6 +71,16 @@ def test_fsdp2_with_the_chunked_loss_equals_plain_training_on_one_gpu(tmp_path):
     assert max_weight_difference(out, plain) < 1e-5
 
 
+def test_fsdp2_bf16_trains_fp32_master_weights_on_one_gpu(tmp_path):
+    recipe = write_recipe(tmp_path, dtype="bfloat16", bf16=True)  # weights loaded in bf16, as the 8B recipes do
+    out = tmp_path / "fsdp-bf16"
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", PROBE, "train", recipe,
+         "--output_dir", out, "--distributed", "fsdp"])
+    report = json.loads((out / "batches-rank0.json").read_text())
+    # accelerate upcasts trainable parameters for FSDP2 once mixed_precision is bf16 (it was "no" before)
+    assert report["trainable_dtypes"] == ["torch.float32"] and report["chunked_train_forwards"] == STEPS
+
+
 def test_inductor_compile_computes_the_loss_on_gpu(tmp_path, tokenizer, count_chunked):  # noqa: F811
     eager, _ = losses(tmp_path, tokenizer, tf32=False)
     compiled, calls = losses(tmp_path, tokenizer, torch_compile=True, tf32=False)
