@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.utils import ModelOutput
 
@@ -76,6 +77,8 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 def supports_chunked_loss(model: nn.Module) -> bool:
     """Whether `model` is a causal LM whose logits are a plain linear head over its decoder's output."""
+    if not isinstance(model, PreTrainedModel):  # SFTTrainer also takes plain nn.Modules, as Trainer does
+        return False
     config = model.config
     head = model.get_output_embeddings()
     router_loss = getattr(config, "output_router_logits", False)  # MoE aux loss is added after the head
