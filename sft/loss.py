@@ -125,10 +125,15 @@ def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0) -> bool:
 
 def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: float,
                     labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
-                    **kwargs: Any) -> Any:
-    """The model's forward; with labels, the decoder plus the head at trained positions only (see module doc)."""
-    if labels is None:
-        return original(*args, **kwargs)
+                    full_logits: bool = False, **kwargs: Any) -> Any:
+    """The model's forward; with labels, the decoder plus the head at trained positions only (see module doc).
+
+    `full_logits=True` (predictions wanted, e.g. Trainer.predict) runs the model's own forward.
+    """
+    if labels is None or full_logits:
+        if num_items_in_batch is not None:
+            kwargs["num_items_in_batch"] = num_items_in_batch
+        return original(*args, labels=labels, **kwargs)
     for key in ("logits_to_keep", "return_dict", "use_cache"):
         kwargs.pop(key, None)
     hidden = self.get_decoder()(*args, use_cache=False, **kwargs).last_hidden_state

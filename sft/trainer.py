@@ -61,7 +61,8 @@ class SFTMixin:
 
     def _init_sft(self) -> None:
         smoothing = self.args.label_smoothing_factor
-        if getattr(self.args, "chunked_loss", True) and attach_chunked_loss(self.model, smoothing):
+        self._chunked = getattr(self.args, "chunked_loss", True) and attach_chunked_loss(self.model, smoothing)
+        if self._chunked:
             self.label_smoother = None  # the chunked forward applies it (LabelSmoother would need full logits)
         self._tokens_window, self._trained_total, self._window_start = 0, 0, time.perf_counter()
         # The Trainer's own NEFTune hook scales noise by the padded/packed row length; ours by each example's.
@@ -175,9 +176,10 @@ class SFTMixin:
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None, **gen_kwargs: Any) -> tuple:
         """Teacher-forced loss; with predict_with_generate also generate from each example's prompt alone."""
-        if self._generator is None:  # without compute_metrics, logits would only be gathered and dropped
-            loss_only = prediction_loss_only or self.compute_metrics is None
-            return super().prediction_step(model, inputs, loss_only, ignore_keys=ignore_keys)
+        if self._generator is None:
+            if self._chunked and not prediction_loss_only:  # predict() / compute_metrics want the logits
+                inputs = {**inputs, "full_logits": True}
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
         rows = self._generator.examples(self._prepare_inputs(inputs))
         texts = iter(self._generator.generate([e for row in rows for e in row], self.args.device))

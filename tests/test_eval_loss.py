@@ -64,3 +64,13 @@ def test_eval_loss_is_the_token_mean_over_the_eval_set(tmp_path, tokenizer, padd
                      padding_free=padding_free)
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer, eval_dataset=toy_dataset())
     assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_predict_still_returns_logits(tmp_path, tokenizer):
+    model = make_llama(len(tokenizer), seed=1)
+    expected = token_mean(model)
+    args = SFTConfig(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to="none")
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer)
+    result = trainer.predict(toy_dataset())
+    assert result.predictions.shape[:2] == (4, 16) and result.predictions.shape[2] == len(tokenizer)
+    assert result.metrics["test_loss"] == pytest.approx(expected, abs=1e-5)
