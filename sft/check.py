@@ -100,9 +100,11 @@ def sample_data(config: SFTConfig, report: CheckReport) -> dict:
     from sft.sources import parse_sources
 
     sources = parse_sources(config.dataset)
-    if all(Path(s.path).exists() for s in sources):
+    if all(Path(s.path).expanduser().exists() for s in sources):
         report.data = f"the recipe's own data (first {SAMPLE_ROWS} rows of each source)"
-        sliced = [{"path": s.path, "split": f"{s.split}[:{SAMPLE_ROWS}]", "columns": s.columns} for s in sources]
+        # "train[:64]" samples as "train[:8]": datasets cannot slice a slice
+        sliced = [{"path": s.path, "split": f"{s.split.split('[')[0]}[:{SAMPLE_ROWS}]", "columns": s.columns}
+                  for s in sources]
         return {"dataset": sliced, "eval_dataset": None, "eval_split_size": 8}
     fmt = config.dataset_format if config.dataset_format != "auto" else guess_format(config)
     report.data = f"sample {fmt} data ({SAMPLES[fmt]}); the recipe's data is not reachable here"

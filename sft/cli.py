@@ -18,8 +18,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `sft` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
+    collision = debug_collision(argv)
     argv = [a for a in argv if a != "--debug"]
     setup_logging()
+    if collision:
+        print(f"sft: error: {collision}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.verb is None:
@@ -35,6 +39,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sft: interrupted", file=sys.stderr)
         return 130
+
+
+def debug_collision(argv: list[str]) -> str | None:
+    """`--debug VALUE` would be read as sft's traceback switch plus a stray VALUE; say how to set the
+    TrainingArguments field of the same name instead."""
+    from transformers.debug_utils import DebugOption
+
+    values = {option.value for option in DebugOption}
+    for arg, following in zip(argv, argv[1:]):
+        if arg == "--debug" and following in values:
+            return (f"`--debug` alone is sft's switch for full tracebacks; to set TrainingArguments' debug option "
+                    f"write --debug={following} (or `debug: {following}` in the recipe).")
+    return None
 
 
 def setup_logging() -> None:

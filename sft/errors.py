@@ -13,3 +13,9 @@ class TrainingInterrupted(SFTError):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class TrainingDiverged(SFTError):
+    """The loss or gradient norm stopped being finite; the run failed, though the recipe parsed."""
+
+    exit_code = 1

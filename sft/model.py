@@ -25,7 +25,7 @@ def check_model_reference(name: str | None, key: str = "model_name_or_path") -> 
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
     if looks_local and not Path(name).expanduser().exists():
         raise SFTError(f"`{key}`: {name} does not exist. Give an existing folder or a Hub id like org/name.")
-    return name
+    return str(Path(name).expanduser()) if name.startswith("~") else name
 
 
 def load_tokenizer(config: SFTConfig) -> PreTrainedTokenizerBase:

@@ -13,6 +13,7 @@ import yaml
 from sft.config import SFTConfig
 from sft.distributed import apply_distributed
 from sft.errors import SFTError
+from sft.validate import check_values
 
 FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig) if f.init}
 # Not Field.type: HfArgumentParser (`sft train --help`) rewrites it in place, e.g. fsdp_config's dict | str to str.
@@ -64,7 +65,9 @@ def read_recipe_file(path: str | Path) -> dict:
                            "shipped one (see `sft recipes`).")
         return rebase_shipped_data(read_recipe_file(shipped))
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+        values = yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader)  # noqa: S506 (a SafeLoader)
+    except DuplicateKey as err:
+        raise SFTError(f"Recipe {path}: {err}") from None
     except yaml.YAMLError as err:
         raise SFTError(f"Recipe {path} is not valid YAML: {err}") from None
     if values is None:
@@ -72,6 +75,26 @@ def read_recipe_file(path: str | Path) -> dict:
     if not isinstance(values, dict):
         raise SFTError(f"Recipe {path} must be a mapping of keys to values, got a {type(values).__name__}.")
     return values
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A key given twice in one mapping: YAML keeps the last silently, which hides a mistyped override."""
+
+
+class StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses duplicate keys, naming both lines."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` merges are YAML's own override mechanism
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in seen:
+                raise DuplicateKey(f"key `{key}` is set twice, on lines {seen[key]} and {line}; keep one of them")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def parse_flags(argv: list[str]) -> dict[str, str]:
@@ -233,6 +256,7 @@ def build_config(values: dict) -> SFTConfig:
     except (ValueError, TypeError) as err:
         raise SFTError(f"Invalid recipe: {err}") from None
     config.recipe_keys = user_keys  # recipe.yaml keeps `distributed`, not what it expanded to
+    check_values(config)
     return config
 
 
@@ -244,12 +268,18 @@ def resolved_recipe(config: SFTConfig) -> dict:
     for key in keys:
         if key in SECRET_KEYS or key not in FIELDS:
             continue
-        value = getattr(config, key)
-        out[key] = value.value if isinstance(value, enum.Enum) else value
+        out[key] = _plain(getattr(config, key))
     for key in PATH_KEYS:
         if out.get(key) is not None:
             out[key] = _absolute(out[key])
     return out
+
+
+def _plain(value: Any) -> Any:
+    """Enums (also inside lists, e.g. `debug`) as their YAML-writable values."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def _absolute(value: Any) -> Any:
@@ -258,8 +288,8 @@ def _absolute(value: Any) -> Any:
         return [_absolute(v) for v in value]
     if isinstance(value, dict) and "path" in value:
         return {**value, "path": _absolute(value["path"])}
-    if isinstance(value, str) and Path(value).exists():
-        return str(Path(value).resolve())
+    if isinstance(value, str) and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
     return value
 
 

@@ -1,6 +1,9 @@
 """Data sources: local files, folders or Hub ids, loaded with `datasets`, renamed, weighted and concatenated."""
 
+import codecs
+import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +13,9 @@ import datasets
 from sft.errors import SFTError
 
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
+log = logging.getLogger(__name__)
+# Columns a row of some format holds as a list of objects: a file with one such object is one row, not a wrapper.
+ROW_KEYS = ("messages", "conversations", "prompt", "completion", "chosen", "rejected", "tools", "images")
 SOURCE_KEYS = ("path", "split", "columns", "weight", "name", "data_dir")
 
 
@@ -58,28 +64,41 @@ def _parse_source(item: Any, key: str) -> Source:
 
 def load_source(source: Source) -> datasets.Dataset:
     """One source as a Dataset with its columns renamed; local files get errors that name the file and line."""
-    path = Path(source.path)
+    path = Path(source.path).expanduser()
     ds = _load_local(path, source.split) if path.exists() else _load_hub(source)
     return rename_columns(ds, source)
 
 
 def _check_reachable(source: Source) -> None:
     """A path-looking source that is not on disk is a typo, not a Hub id."""
-    if source.path.startswith((".", "/", "~")) or Path(source.path).suffix in FILE_TYPES:
+    first = Path(source.path).parts[0] if Path(source.path).parts else ""
+    # Hub ids are `name` or `org/name`; deeper paths, file suffixes and a first part that is a local folder are not.
+    if (source.path.startswith((".", "/", "~")) or Path(source.path).suffix in FILE_TYPES
+            or source.path.count("/") > 1 or ("/" in source.path and Path(first).is_dir())):
         raise SFTError(f"Dataset file {source.path} does not exist. Check the path (relative paths start from "
                        f"{Path.cwd()}).")
 
 
+def _data_files(path: Path) -> list[Path]:
+    """The data files of a file or folder; hidden folders and files (.ipynb_checkpoints, .git, ...) are not data."""
+    if not path.is_dir():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.suffix in FILE_TYPES and p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
 def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
-    files = sorted(p for p in path.rglob("*") if p.suffix in FILE_TYPES) if path.is_dir() else [path]
+    files = _data_files(path)
     if not files:
         raise SFTError(f"Dataset folder {path} holds no {', '.join(FILE_TYPES)} files.")
     kinds = {FILE_TYPES.get(f.suffix) for f in files}
     if None in kinds or len(kinds) > 1:
         raise SFTError(f"Dataset {path}: use one file type among {', '.join(FILE_TYPES)} (found {sorted(map(str, kinds))}).")
     kind = kinds.pop()
-    for f in files:
-        _check_file(f, kind)
+    parsed = [_check_file(f, kind) for f in files]
+    if any(rows is not None for rows in parsed):  # a BOM or a top-level object: rows read here, not by `datasets`
+        return _from_rows(files, [rows if rows is not None else _json_rows(f, f.read_text("utf-8")) for f, rows
+                                  in zip(files, parsed)], split)
     try:
         # Local files form one "train" split; slices such as "train[:64]" or "train[10%:]" select rows of it.
         return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split)
@@ -87,25 +106,78 @@ def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
         raise SFTError(f"Could not read dataset {path}: {_first_line(err)}") from None
 
 
-def _check_file(path: Path, kind: str) -> None:
-    """Catch what `datasets` reports badly: empty files, bad UTF-8, invalid JSON lines (with their line number)."""
+def _check_file(path: Path, kind: str) -> list[dict] | None:
+    """Catch what `datasets` reports badly: empty files, bad UTF-8, invalid JSON lines (with their line number).
+
+    Returns the rows of a JSON file `datasets` cannot read as it is (a UTF-8 BOM, or one top-level object), else None.
+    """
     data = path.read_bytes()
     if not data.strip():
         raise SFTError(f"Dataset file {path} is empty. Add rows or remove it from the recipe.")
     if kind == "parquet" or kind == "arrow":
-        return
+        return None
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # Windows editors start UTF-8 files with a byte-order mark
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
         raise SFTError(f"Dataset file {path}, line {line}: bytes that are not UTF-8 ({err.reason}). "
                        "Re-save the file as UTF-8.") from None
-    if kind == "json":
-        _check_json(path, text)
+    if kind != "json":
+        return None
+    if text.lstrip().startswith("{"):
+        rows = _object_rows(path, text)
+        if rows is not None:
+            return rows
+    _check_json(path, text)
+    return _json_rows(path, text) if data.startswith(codecs.BOM_UTF8) else None
+
+
+def _object_rows(path: Path, text: str) -> list[dict] | None:
+    """The rows of a file holding one JSON object: a wrapper such as {"data": [...]}, or a single example.
+    None when the text is not one object (JSON Lines)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    lists = [key for key, item in value.items() if key not in ROW_KEYS and isinstance(item, list) and item
+             and all(isinstance(row, dict) for row in item)]
+    if len(lists) > 1:
+        raise SFTError(f"Dataset file {path} is one JSON object with several lists of rows ({', '.join(lists)}). "
+                       "Keep the rows in one list, or save them as a JSON list or JSON Lines.")
+    if lists:
+        log.info("Dataset file %s: reading the rows of its `%s` list.", path, lists[0])
+        _check_rows_are_objects(path, value[lists[0]])
+        return value[lists[0]]
+    return [value] if value else None
+
+
+def _json_rows(path: Path, text: str) -> list[dict]:
+    """The rows of a checked JSON array or JSON Lines text."""
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _from_rows(files: list[Path], parts: list[list[dict]], split: str) -> datasets.Dataset:
+    """A Dataset of rows read here; columns are the union of every row's keys (missing ones are None)."""
+    rows = [row for part in parts for row in part]
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    ds = datasets.Dataset.from_dict({key: [row.get(key) for row in rows] for key in columns})
+    # The tokenization cache keys on the fingerprint; make it follow the files' content, not a random id.
+    ds._fingerprint = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+    if split == "train":
+        return ds
+    try:
+        bounds = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(ds)})
+    except (ValueError, AssertionError) as err:
+        raise SFTError(f"Bad split {split!r} for {files[0]}: {err}") from None
+    return ds.select([i for b in bounds for i in range(b.from_, b.to)])
 
 
 def _check_json(path: Path, text: str) -> None:
-    """A JSON file is either one array/object or JSON Lines; name the first line that parses as neither."""
+    """A JSON file is either one array or JSON Lines; name the first line that parses as neither."""
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:

@@ -14,6 +14,7 @@ from transformers.integrations.fsdp import is_fsdp_managed_module
 
 from sft import checkpoints
 from sft.config import SFTConfig
+from sft.divergence import DivergenceGuard
 from sft.encode import IGNORE_INDEX
 from sft.interrupt import StopOnSignal
 from sft.loss import attach_chunked_loss
@@ -70,6 +71,8 @@ class SFTMixin:
         self.neftune_noise_alpha = None
         self.stop_on_signal = StopOnSignal(self.accelerator)
         self.add_callback(self.stop_on_signal)
+        self.divergence = DivergenceGuard(self)
+        self.add_callback(self.divergence)  # after StopOnSignal: a diverged step must not be saved on a signal either
         self._staging: str | None = None
         self._eval_sums = torch.zeros(2)
         self._eval_split_examples = self._eval_dedup = False  # set per evaluation (evaluation_loop)
@@ -234,14 +237,16 @@ class SFTMixin:
 
     def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-        """One micro-batch forward/backward, counting its tokens."""
+        """One micro-batch forward/backward, counting its tokens; the loss goes to the divergence guard."""
         mask = inputs.get("attention_mask")
         self._tokens_window += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         if "labels" in inputs:
             self._trained_total += int((inputs["labels"] != IGNORE_INDEX).sum())
         if self._neftune is not None:
             self._neftune.lengths = token_example_lengths(inputs)
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.divergence.add_loss(loss)  # every step's loss: the Trainer's logs filter NaN out
+        return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add tokens/s (since the last log) and the running trained-token count to training logs."""

@@ -3,16 +3,17 @@
 import json
 import math
 import logging
-import shutil
 from pathlib import Path
 
 import datasets
 import transformers
+from transformers.trainer_utils import get_last_checkpoint
 
+from sft import rundir
 from sft.config import SFTConfig
 from sft.dataset import prepare_splits
 from sft.distributed import prepare_final_save
-from sft.errors import SFTError, TrainingInterrupted
+from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
 from sft.metrics import resolve_metrics
 from sft.model import load_model, load_model_config, load_tokenizer
 from sft.packing import check_packing_supported, pack_dataset, pack_dataset_with_stats
@@ -23,7 +24,7 @@ from sft.stats import DataStats, compute_stats
 from sft.trainer import SFTMixin, trainer_class
 
 log = logging.getLogger(__name__)
-RUN_MARKERS = ("recipe.yaml", "trainer_state.json", "config.json", "adapter_config.json")
+EVAL_FILES = ("eval_results.json", "predictions.jsonl")  # what `sft eval` writes
 
 
 def train(config: SFTConfig) -> Path:
@@ -47,6 +48,10 @@ def train(config: SFTConfig) -> Path:
                                    eval_dataset=eval_set)
     output_dir = prepare_output_dir(config, resume, trainer)
     result = trainer.train(resume_from_checkpoint=resume)
+    if trainer.is_world_process_zero():
+        rundir.claim(output_dir)  # checkpoints so far are sft's, however the run ends
+    if trainer.divergence.bad is not None:
+        raise TrainingDiverged(trainer.divergence.message(config))
     if trainer.interrupted:
         raise TrainingInterrupted(
             f"Stopped by {trainer.stop_on_signal.signal_name} at step {trainer.state.global_step}; checkpoint saved in "
@@ -54,6 +59,8 @@ def train(config: SFTConfig) -> Path:
             trainer.stop_on_signal.exit_code)
     save_run(trainer, config, stats, result.metrics, has_eval=eval_data is not None,
              formats="; ".join(map(str, train_data.sources)))
+    if trainer.is_world_process_zero():
+        rundir.claim(output_dir)
     return output_dir
 
 
@@ -92,28 +99,61 @@ def resume_setting(value: str | bool | None) -> str | bool | None:
 
 
 def check_before_loading(config: SFTConfig, resume: str | bool | None) -> None:
-    """Fail fast on what needs no data or model: GPU-only flags here, and an output dir holding another run."""
+    """Fail fast on what needs no data or model: GPU-only flags, max_length, the output folder, the resume target."""
     problems = config.hardware_problems()
     if problems:
         raise SFTError(problems[0])
     check_quantization(config)
     if config.predict_with_generate:
         resolve_metrics(config.metrics)  # a misspelt metric fails now, not after the model has loaded
+    check_max_length(config)
     out = Path(config.output_dir)
-    existing = [m for m in RUN_MARKERS if (out / m).exists()] + [p.name for p in out.glob("checkpoint-*")][:1]
-    if existing and not resume and not config.overwrite_output_dir:
-        raise SFTError(f"output_dir {out} already holds a run ({existing[0]}). Pass --resume_from_checkpoint true "
-                       "to continue it, --overwrite_output_dir true to replace it, or choose another output_dir.")
+    rundir.check_output_dir(out)
+    check_resume(out, resume)
+    if rundir.is_run(out) and not resume and not config.overwrite_output_dir:
+        raise SFTError(f"output_dir {out} already holds an sft run. Pass --resume_from_checkpoint true to continue "
+                       "it, --overwrite_output_dir true to replace it (only files sft wrote are removed), or choose "
+                       "another output_dir.")
+
+
+def check_resume(out: Path, resume: str | bool | None) -> None:
+    """The checkpoint a resume asks for exists: a given path, or (true) a checkpoint-N folder in output_dir."""
+    if isinstance(resume, str) and not Path(resume).expanduser().is_dir():
+        raise SFTError(f"resume_from_checkpoint: {resume} does not exist. Give a checkpoint-N folder of a run, or "
+                       "true for the newest checkpoint in output_dir.")
+    if resume is True and (not out.is_dir() or get_last_checkpoint(str(out)) is None):
+        raise SFTError(f"resume_from_checkpoint is true but output_dir {out} holds no checkpoint-N folder. Train "
+                       "without --resume_from_checkpoint, or point it at a checkpoint folder.")
+
+
+def check_max_length(config: SFTConfig) -> None:
+    """max_length beyond the model's positions: refused, unless the config scales RoPE (then a warning)."""
+    if config.model_name_or_path is None:
+        return
+    model_config = load_model_config(config)
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or config.max_length <= positions:
+        return
+    if getattr(model_config, "rope_scaling", None):
+        log.warning("max_length=%d is beyond the model's %d positions; relying on its rope_scaling.",
+                    config.max_length, positions)
+        return
+    raise SFTError(f"max_length={config.max_length} is beyond the {positions} positions the model "
+                   f"{config.model_name_or_path} has (max_position_embeddings). Set max_length: {positions} or less.")
 
 
 def prepare_output_dir(config: SFTConfig, resume: str | bool | None, trainer: SFTMixin) -> Path:
-    """Create output_dir; with overwrite_output_dir (and no resume) the main process clears the previous run."""
+    """Create output_dir and mark it as sft's; with overwrite_output_dir (and no resume) the main process removes
+    the earlier run's files, and only those (check_before_loading refused folders with anything else)."""
     out = Path(config.output_dir)
-    if trainer.is_world_process_zero() and out.exists() and config.overwrite_output_dir and not resume:
-        log.warning("overwrite_output_dir: removing the previous run in %s", out)
-        shutil.rmtree(out)
+    if trainer.is_world_process_zero() and out.is_dir() and config.overwrite_output_dir and not resume:
+        removed = rundir.clear_run(out)
+        if removed:
+            log.warning("overwrite_output_dir: removed the earlier run's %s from %s", rundir.describe(removed), out)
     trainer.accelerator.wait_for_everyone()  # no rank writes before the old run is gone
     out.mkdir(parents=True, exist_ok=True)
+    if trainer.is_world_process_zero():
+        rundir.claim(out)
     return out
 
 
@@ -141,7 +181,9 @@ def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: di
 
 def evaluate(config: SFTConfig) -> dict[str, float]:
     """Teacher-forced loss and perplexity on the recipe's eval set, plus generation metrics and predictions.jsonl
-    with predict_with_generate; writes eval_results.json to output_dir."""
+    with predict_with_generate; writes eval_results.json to output_dir, replacing an earlier one only when asked."""
+    out = Path(config.output_dir)
+    check_eval_output(out, config.overwrite_output_dir)
     tokenizer = load_tokenizer(config)
     with config.main_process_first(desc="tokenizing"):
         _, eval_data = prepare_splits(config, tokenizer)
@@ -152,6 +194,21 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
                                    eval_dataset=eval_data.dataset)
     metrics = trainer.evaluate()
     metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
-    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     trainer.save_metrics("eval", metrics, combined=False)
+    if trainer.is_world_process_zero():
+        rundir.claim(out, list(EVAL_FILES))
     return metrics
+
+
+def check_eval_output(out: Path, overwrite: bool) -> None:
+    """sft eval writes beside a run (or anywhere new); it replaces its own earlier results only with overwrite."""
+    rundir.check_writable(out)
+    present = [name for name in EVAL_FILES if (out / name).exists()]
+    foreign = [name for name in present if name in rundir.foreign_entries(out)]
+    if foreign:
+        raise SFTError(f"output_dir {out} holds {', '.join(foreign)}, which sft did not write. Choose another "
+                       "output_dir for the eval results.")
+    if present and not overwrite:
+        raise SFTError(f"output_dir {out} already holds {', '.join(present)}. Pass --overwrite_output_dir true to "
+                       "replace them (nothing else is touched), or --output_dir NEW_DIR to keep them.")

@@ -1,0 +1,82 @@
+"""Divergence is a failure: the first non-finite loss or gradient norm stops training, and nothing is saved after it.
+
+The Trainer's logging_nan_inf_filter replaces a NaN loss by the running mean in its logs, so a diverged run would log
+finite (even zero) losses and save NaN weights as its result. This callback sees every step's loss instead (the
+SFT trainer hands it over from training_step), stops at the end of the first bad step, and cancels the checkpoint
+and evaluation that step would have triggered, so the newest checkpoint on disk is the last good one.
+"""
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+
+class DivergenceGuard(TrainerCallback):
+    """Stops at the first optimizer step whose loss (or logged gradient norm) is not finite."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self._step_loss = 0.0
+        self.last_finite: tuple[int, float] | None = None  # (step, loss) of the last good step
+        self.bad: tuple[int, str] | None = None  # (step, what was not finite)
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """One micro-batch's loss (already scaled for gradient accumulation); the step's loss is their sum."""
+        self._step_loss += float(loss)  # the Trainer already syncs on each loss for its NaN filter
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> TrainerControl:
+        loss, self._step_loss = self._step_loss, 0.0
+        finite = math.isfinite(loss)
+        if finite and control.should_save:  # a finite loss after a NaN update: check the weights before saving
+            finite = all(bool(torch.isfinite(p).all()) for p in kwargs["model"].parameters())
+        if not self._agree(finite):
+            what = f"the loss is {loss}" if not math.isfinite(loss) else "the weights are not finite"
+            self._stop(state.global_step, what, control)
+        elif self.bad is None:
+            self.last_finite = (state.global_step, loss)
+        return control
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kwargs: Any) -> TrainerControl:
+        # fp16's loss scaler skips steps with infinite gradients on purpose; that is not divergence.
+        norm = (logs or {}).get("grad_norm")
+        if norm is not None and not args.fp16 and not math.isfinite(norm) and self.bad is None:
+            self._stop(state.global_step, f"the gradient norm is {norm}", control)
+        return control
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> TrainerControl:
+        if self.bad is not None:  # the epoch-end save/eval would write the diverged weights
+            control.should_save = control.should_evaluate = False
+        return control
+
+    def _stop(self, step: int, what: str, control: TrainerControl) -> None:
+        self.bad = self.bad or (step, what)
+        control.should_training_stop = True
+        control.should_save = control.should_evaluate = False
+
+    def _agree(self, finite: bool) -> bool:
+        """Every rank stops together: one rank's NaN must not leave the others waiting in a collective."""
+        if self.trainer.accelerator.num_processes == 1:
+            return finite
+        flag = torch.tensor([0.0 if finite else 1.0], device=self.trainer.accelerator.device)
+        return float(self.trainer.accelerator.reduce(flag, reduction="sum")) == 0.0
+
+    def message(self, args: TrainingArguments) -> str:
+        """What happened, what is kept, and what to change."""
+        step, what = self.bad
+        last = (f"last finite loss {self.last_finite[1]:.4g} at step {self.last_finite[0]}" if self.last_finite
+                else "no step had a finite loss")
+        out = Path(args.output_dir)
+        checkpoint = get_last_checkpoint(str(out)) if out.is_dir() else None
+        kept = (f"The last good checkpoint is {checkpoint}; resume from it with --resume_from_checkpoint {checkpoint}"
+                " once the recipe is fixed." if checkpoint else
+                "No checkpoint had been saved before it, and the diverged weights were not saved.")
+        return (f"Training diverged at step {step}: {what} ({last}). Lower learning_rate (now {args.learning_rate:g}), "
+                f"add warmup_steps, keep max_grad_norm > 0 (now {args.max_grad_norm:g}), or use bf16 instead of fp16. "
+                + kept)

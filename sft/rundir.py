@@ -1,0 +1,113 @@
+"""Output folders sft owns: a manifest (sft_run.json) names what sft wrote, so sft only ever replaces its own files.
+
+A folder is an sft run when it holds the manifest. An entry is sft's when the manifest lists it with the size and
+modification time sft left it with (a file a user edited afterwards, e.g. the model card README.md, is the user's
+again), or when it is a checkpoint folder of a marked run (a run killed mid-save never listed it). Everything else is
+foreign: sft refuses to write into a folder holding foreign entries and never deletes them.
+"""
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from sft.errors import SFTError
+
+MANIFEST = "sft_run.json"
+CHECKPOINT_NAME = re.compile(r"(checkpoint-\d+|\.staging-\d+)$")  # the Trainer's folders and sft's staging ones
+SHOWN = 8  # foreign names listed in a refusal
+
+
+def _stamp(path: Path) -> list[int] | None:
+    """What identifies a file's content cheaply (size, mtime); folders are identified by name alone."""
+    if path.is_dir():
+        return None
+    info = path.stat()
+    return [info.st_size, info.st_mtime_ns]
+
+
+def read_manifest(out: Path) -> dict[str, list[int] | None] | None:
+    """The entries sft recorded in `out`, or None when `out` is not an sft run."""
+    try:
+        return json.loads((out / MANIFEST).read_text(encoding="utf-8"))["entries"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def foreign_entries(out: Path) -> list[str]:
+    """Names in `out` that sft did not write (or that changed since it did)."""
+    if not out.is_dir():
+        return []
+    owned = read_manifest(out)
+    if owned is None:
+        return sorted(p.name for p in out.iterdir())
+    return sorted(p.name for p in out.iterdir() if p.name != MANIFEST and not (
+        (p.name in owned and owned[p.name] == _stamp(p)) or (p.is_dir() and CHECKPOINT_NAME.match(p.name))))
+
+
+def describe(names: list[str]) -> str:
+    """A short list of names for a one-line message."""
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
+def check_writable(out: Path, key: str = "output_dir") -> None:
+    """`out` is a folder, or can be made one, that this user may write to."""
+    if out.exists() and not out.is_dir():
+        raise SFTError(f"{key} {out} is a file, not a folder. Choose a folder path for the run.")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise SFTError(f"{key} {out} cannot be created: {existing} is a file. Choose a folder path for the run.")
+    if not writable(existing):
+        raise SFTError(f"{key} {out} is not writable ({existing} does not allow writing). Choose a folder you can "
+                       "write to.")
+
+
+def writable(folder: Path) -> bool:
+    """Whether a folder can be created in `folder`: permission bits say nothing to root or on read-only mounts."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".sft-write-test-", dir=folder))
+    except OSError:
+        return False
+    return True
+
+
+def check_output_dir(out: Path, key: str = "output_dir") -> None:
+    """`out` can hold a run: writable, and new, empty or an earlier sft run without foreign files."""
+    check_writable(out, key)
+    foreign = foreign_entries(out)
+    if foreign:
+        raise SFTError(f"{key} {out} holds files sft did not write (or that changed since): {describe(foreign)}. sft writes only into a new "
+                       f"or empty folder or an earlier sft run; move those files or choose another {key}.")
+
+
+def is_run(out: Path) -> bool:
+    """Whether `out` holds an sft run."""
+    return read_manifest(out) is not None
+
+
+def claim(out: Path, names: list[str] | None = None) -> None:
+    """Record `names` (default: every entry of `out`) as written by sft, keeping earlier records."""
+    entries = read_manifest(out) or {}
+    for name in names if names is not None else [p.name for p in out.iterdir()]:
+        if name != MANIFEST and (out / name).exists():
+            entries[name] = _stamp(out / name)
+    staging = out / (MANIFEST + ".tmp")
+    staging.write_text(json.dumps({"written_by": "sft", "entries": entries}, indent=1) + "\n", encoding="utf-8")
+    staging.replace(out / MANIFEST)  # a crash never leaves a half-written manifest
+
+
+def clear_run(out: Path) -> list[str]:
+    """Delete what an earlier sft run wrote in `out` (only that: foreign files make it refuse); returns the names."""
+    foreign = foreign_entries(out)
+    if foreign:  # checked before any work too; a file a user added since must still survive
+        raise SFTError(f"output_dir {out} holds files sft did not write: {describe(foreign)}; nothing was removed.")
+    removed = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    for name in removed:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    return removed

@@ -1,0 +1,51 @@
+"""Value checks on a built recipe: ranges and combinations TrainingArguments leaves to fail later, with a traceback,
+after tokenization and model loading. Each failure is one SFTError saying which key, what it got and what it takes."""
+
+import math
+
+from sft.config import SFTConfig
+from sft.errors import SFTError
+
+# key: the smallest value that makes sense (None values mean "unset" and are not checked).
+AT_LEAST_ONE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                "max_length", "lora_r", "max_new_tokens", "generation_num_beams", "generation_max_length",
+                "dataset_num_proc", "save_total_limit")
+NOT_NEGATIVE = ("learning_rate", "weight_decay", "max_grad_norm", "num_train_epochs", "neftune_noise_alpha",
+                "lora_alpha", "lora_dropout", "eval_split_size", "warmup_steps")
+
+
+def check_values(config: SFTConfig) -> None:
+    """Raise SFTError for the first value no run could use."""
+    for key in AT_LEAST_ONE:
+        value = getattr(config, key, None)
+        if value is not None and value < 1:
+            raise SFTError(f"Bad value for `{key}`: {value!r}; it must be at least 1.")
+    for key in NOT_NEGATIVE:
+        value = getattr(config, key, None)
+        if value is not None and not (value >= 0 and math.isfinite(value)):  # NaN fails `>= 0` too
+            raise SFTError(f"Bad value for `{key}`: {value!r}; it must be a finite number >= 0.")
+    if config.max_steps == 0 or config.max_steps < -1:
+        raise SFTError(f"Bad value for `max_steps`: {config.max_steps}; give a positive number of optimizer steps, "
+                       "or -1 to train for num_train_epochs.")
+    if config.lora_dropout >= 1:
+        raise SFTError(f"Bad value for `lora_dropout`: {config.lora_dropout}; a dropout probability is below 1.")
+    check_eval_split(config.eval_split_size)
+    check_eval_plan(config)
+    if not str(config.output_dir or "").strip():
+        raise SFTError("`output_dir` is empty: give the folder the run should write to, e.g. outputs/my-run.")
+
+
+def check_eval_split(size: float) -> None:
+    """eval_split_size is a fraction below 1 or a whole number of rows (see sft.dataset.split_off_eval)."""
+    if size >= 1 and not float(size).is_integer():
+        raise SFTError(f"Bad value for `eval_split_size`: {size}; give a fraction below 1 (0.1 = 10% of the rows) "
+                       "or a whole number of rows (e.g. 100).")
+
+
+def check_eval_plan(config: SFTConfig) -> None:
+    """Evaluating during training needs eval data; say so now rather than when the Trainer is built."""
+    has_eval = config.eval_dataset is not None or bool(config.eval_split_size)
+    if str(getattr(config.eval_strategy, "value", config.eval_strategy)) != "no" and not has_eval:
+        raise SFTError(f"eval_strategy is {getattr(config.eval_strategy, 'value', config.eval_strategy)} but the "
+                       "recipe has no eval data: set `eval_dataset`, or `eval_split_size` (e.g. 0.1), or "
+                       "eval_strategy: 'no'.")
