@@ -216,9 +216,11 @@ class ChatRenderer:
             return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.template,
                                                       add_generation_prompt=generation_prompt, tokenize=False)
         except TEMPLATE_ERRORS as exc:
+            # The template's own words say what it wants; only an alternation complaint gets that hint.
+            hint = ("Alternate user and assistant turns in the row" if "alternate" in str(exc)
+                    else "Fix the row's messages to fit the template")
             raise ctx.error(f"the chat template rejected the conversation ({type(exc).__name__}: {exc})",
-                            "Fix the roles/content of the row (e.g. alternate user and assistant turns) or "
-                            "choose another chat_template.") from None
+                            f"{hint}, or choose another chat_template.") from None
 
 
 def _warn_split_tokens(tokenizer: PreTrainedTokenizerBase, preset: str) -> None:

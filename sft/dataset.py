@@ -16,7 +16,8 @@ from sft import seq2seq as seq2seq_module
 from sft.config import SFTConfig
 from sft.encode import Encoding
 from sft.errors import SFTError
-from sft.formats import CHAT_FORMATS, Rendered, check_columns, default_completion_only, detect_format, row_renderer
+from sft.formats import (CHAT_FORMATS, Rendered, check_columns, check_sft_data, default_completion_only, detect_format,
+                         row_renderer)
 from sft.seq2seq import Seq2SeqEncoding, pair_renderer
 from sft.sources import Source, load_source, parse_sources, repeat_by_weight
 
@@ -90,6 +91,7 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
     raw = load_source(source)
     if len(raw) == 0:
         raise SFTError(f"Dataset {source.label} has no rows.")
+    check_sft_data(raw.column_names, raw[0], source.label)  # DPO/KTO/image rows are refused, not half-trained
     fmt = resolve_format(config, raw.column_names, source.label)
     # Decided per source: in `[text.jsonl, alpaca.json]` the text is trained whole, the Alpaca prompts are not.
     decided = SourceFormat(source.label, fmt, default_completion_only(fmt) if config.completion_only_loss is None

@@ -50,6 +50,27 @@ def detect_format(columns: list[str], where: str) -> str:
                    + _rename_hint(columns) + ". Or set `dataset_format`.")
 
 
+IMAGE_COLUMNS = ("images", "image", "image_url", "pixel_values", "videos", "audios")
+
+
+def check_sft_data(columns: list[str], first_row: dict, where: str) -> None:
+    """Refuse data made for another kind of training, before any column of it is mistaken for a conversation."""
+    if "chosen" in columns and "rejected" in columns:
+        raise SFTError(f"Dataset {where} holds preference pairs (columns `chosen` and `rejected`), data for DPO/ORPO "
+                       "preference training, which sft does not do. sft trains on demonstrations: to fine-tune on the "
+                       "preferred answers, map them with `columns: {chosen: completion}` (or save prompt + chosen "
+                       "as messages) and leave `rejected` out.")
+    kto = "kto_tag" if "kto_tag" in columns else "label" if isinstance(first_row.get("label"), bool) else None
+    if kto:
+        raise SFTError(f"Dataset {where} holds KTO data (a true/false `{kto}` per answer), for desirable/undesirable "
+                       "preference training, which sft does not do. sft trains on demonstrations: keep only the rows "
+                       f"whose `{kto}` is true and drop the column.")
+    media = [c for c in IMAGE_COLUMNS if c in columns]
+    if media:
+        raise SFTError(f"Dataset {where} holds multimodal rows (column `{media[0]}`); sft fine-tunes text-only "
+                       f"language models. Use text-only rows, or drop `{media[0]}` if the text stands on its own.")
+
+
 def check_columns(fmt: str, columns: list[str], where: str) -> None:
     """Every column `fmt` needs is present, or an error naming the missing one and a likely rename."""
     missing = [c for c in REQUIRED_COLUMNS[fmt] if c not in columns]

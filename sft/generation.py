@@ -130,7 +130,12 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, s
     if template == "chat" and not tokenizer.chat_template:
         raise SFTError("The tokenizer has no chat template; use the alpaca template or a model saved with one.")
     if template == "chat" or (template == "auto" and tokenizer.chat_template):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as err:
+            raise SFTError(f"The model's chat template failed on this conversation ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''}). Fix chat_template.jinja in the model "
+                           "folder, or pass --template alpaca for a model trained on alpaca data.") from None
     return alpaca_prompt(messages), True
 
 

@@ -16,6 +16,8 @@ from sft.quantization import quantized_loading
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 EMBEDDING_MULTIPLE = 64  # padded vocab sizes keep matmuls on fast tensor-core shapes
+# More new rows than a chat template's or a user's few added tokens: the tokenizer belongs to another vocabulary.
+FOREIGN_TOKENIZER_ROWS = 256
 
 
 def check_model_reference(name: str | None, key: str = "model_name_or_path") -> str:
@@ -106,6 +108,10 @@ def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     old_rows = model.get_input_embeddings().num_embeddings  # not weight.shape: (0,) once ZeRO-3 partitions it
     if len(tokenizer) <= old_rows:
         return []
+    if len(tokenizer) - old_rows > FOREIGN_TOKENIZER_ROWS:
+        log.warning("THE TOKENIZER DOES NOT FIT THE MODEL: it has %d tokens, the model's embeddings %d rows, so %d new "
+                    "untrained rows are added. tokenizer_name_or_path is probably from another model family; use the "
+                    "model's own tokenizer.", len(tokenizer), old_rows, len(tokenizer) - old_rows)
     model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=EMBEDDING_MULTIPLE, mean_resizing=True)
     log.info("Resized embeddings from %d to %d rows for %d new tokens.", old_rows,
              model.get_input_embeddings().num_embeddings, len(tokenizer) - old_rows)
