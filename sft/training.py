@@ -127,16 +127,22 @@ def check_resume(out: Path, resume: str | bool | None) -> None:
 
 
 def check_max_length(config: SFTConfig) -> None:
-    """max_length beyond the model's positions: refused, unless the config scales RoPE (then a warning)."""
+    """max_length beyond the model's positions: refused when the recipe sets it (a warning when the model scales
+    RoPE); the default max_length is lowered to the model's positions instead."""
     if config.model_name_or_path is None:
         return
     model_config = load_model_config(config)
     positions = getattr(model_config, "max_position_embeddings", None)
     if not isinstance(positions, int) or config.max_length <= positions:
         return
-    if getattr(model_config, "rope_scaling", None):
-        log.warning("max_length=%d is beyond the model's %d positions; relying on its rope_scaling.",
-                    config.max_length, positions)
+    if "max_length" not in config.recipe_keys:
+        log.info("max_length: using the model's %d positions (the default %d is longer).", positions, config.max_length)
+        config.max_length = positions
+        return
+    rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":  # linear, dynamic, yarn, llama3 ... stretch
+        log.warning("max_length=%d is beyond the model's %d positions; relying on its RoPE scaling (%s).",
+                    config.max_length, positions, rope.get("rope_type", rope.get("type")))
         return
     raise SFTError(f"max_length={config.max_length} is beyond the {positions} positions the model "
                    f"{config.model_name_or_path} has (max_position_embeddings). Set max_length: {positions} or less.")
