@@ -20,7 +20,8 @@ class Encoding:
 
     def encode(self, rows: list[Rendered]) -> dict[str, list]:
         """Tokenize a batch; returns input_ids, labels, length, truncated and trained (token count) per row."""
-        out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "truncated": [], "trained": []}
+        out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "truncated": [], "trained": [],
+                                "answer_offset": []}
         encoded: list = [None] * len(rows)
         for flag in (True, False):  # one batched call with the tokenizer's BOS/EOS template, one without
             picked = [i for i, r in enumerate(rows) if r.add_special_tokens is flag]
@@ -49,6 +50,7 @@ class Encoding:
         out["length"].append(len(ids))
         out["truncated"].append(cut)
         out["trained"].append(len(labels) - labels.count(IGNORE_INDEX))
+        out["answer_offset"].append(0 if cut else answer_offset(alignment, row.spans))
 
     def _truncate(self, ids: list[int], labels: list[int]) -> tuple[list[int], list[int], bool]:
         """Cut to max_length from `truncation_side`; the new first token is never trained."""
@@ -76,6 +78,16 @@ def trained_labels(alignment: TokenAlignment, spans: list[tuple[int, int]]) -> l
     if labels:
         labels[0] = IGNORE_INDEX
     return labels
+
+
+def answer_offset(alignment: TokenAlignment, spans: list[tuple[int, int]]) -> int:
+    """How many characters of the prompt the first trained token holds (a token merging the prompt's end, e.g. the
+    colon of `### Response:`, with the answer's start); generation eval cuts that token at this point."""
+    if not spans:
+        return 0
+    start, end = spans[0]
+    token = _token_at(alignment, range(start, end))
+    return 0 if token is None else max(0, start - alignment.offsets[token][0])
 
 
 def _token_at(alignment: TokenAlignment, chars: range) -> int | None:

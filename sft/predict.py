@@ -5,14 +5,20 @@ every prompt ends where generation starts; the reference is the first run of tra
 EOS / end-of-turn). Encoder-decoder models generate from the whole encoder input; the reference is the labels.
 Either way generate() never sees a reference token: transformers' Seq2SeqTrainer would hand a decoder-only model
 prompt and answer together.
+
+Where the first trained token merges the prompt's last characters with the answer's first (Qwen and Llama-3 tokenize
+Alpaca's `### Response:` + answer with the colon inside the answer's first token), the tokenized data records how
+many characters of that token are prompt (`answer_offset`): generate() then gets the prompt text exactly (ending in
+the colon) and the reference is the answer text exactly.
 """
 
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import datasets
 import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Seq2SeqTrainer, Seq2SeqTrainingArguments
@@ -29,20 +35,36 @@ class Example:
 
     prompt: list[int]
     reference: list[int]
+    prompt_chars: int = 0  # characters of reference[0] that belong to the prompt (see the module docstring)
 
 
-def causal_example(ids: torch.Tensor, labels: torch.Tensor) -> Example | None:
-    """Split one unpadded example at its first trained label; None when nothing in it is trained."""
+def causal_example(ids: torch.Tensor, labels: torch.Tensor, offsets: dict[tuple, int] | None = None) -> Example | None:
+    """Split one unpadded example at its first trained label; None when nothing in it is trained.
+
+    `offsets` maps an example's token ids to its answer_offset where that is not 0 (see answer_offsets).
+    """
     trained = labels != IGNORE_INDEX
     if not trained.any():
         return None
     first = int(trained.nonzero()[0])
     untrained_after = (~trained[first:]).nonzero()
     end = first + int(untrained_after[0]) if len(untrained_after) else len(labels)
-    return Example(ids[:first].tolist(), labels[first:end].tolist())
+    split = offsets.get(tuple(ids.tolist()), 0) if offsets else 0
+    return Example(ids[:first].tolist(), labels[first:end].tolist(), split)
 
 
-def causal_examples(inputs: dict[str, Any]) -> list[list[Example]]:
+def answer_offsets(dataset: Any) -> dict[tuple, int]:
+    """{token ids: answer_offset} of the tokenized (unpacked) examples whose answer starts inside a token."""
+    if not isinstance(dataset, datasets.Dataset) or "answer_offset" not in dataset.column_names:
+        return {}
+    table = dataset.select_columns(["input_ids", "answer_offset"]).with_format("arrow")[:]
+    offsets = table.column("answer_offset").to_pylist()
+    rows = [i for i, offset in enumerate(offsets) if offset]
+    ids = table.column("input_ids").take(rows).to_pylist() if rows else []
+    return {tuple(row): offsets[i] for i, row in zip(rows, ids)}
+
+
+def causal_examples(inputs: dict[str, Any], offsets: dict[tuple, int] | None = None) -> list[list[Example]]:
     """The examples of a causal eval batch, grouped by dataset row (a packed row holds several).
 
     Plain batches drop padding with the attention mask; packed and padding-free batches (position_ids) are split
@@ -52,10 +74,10 @@ def causal_examples(inputs: dict[str, Any]) -> list[list[Example]]:
     if "position_ids" not in inputs:
         mask = inputs.get("attention_mask")
         keep = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-        rows = [[causal_example(ids[i][keep[i]], labels[i][keep[i]])] for i in range(ids.shape[0])]
+        rows = [[causal_example(ids[i][keep[i]], labels[i][keep[i]], offsets)] for i in range(ids.shape[0])]
     else:
-        rows = [[causal_example(ids[i, a:b], labels[i, a:b]) for a, b in segments(inputs["position_ids"][i])]
-                for i in range(ids.shape[0])]
+        rows = [[causal_example(ids[i, a:b], labels[i, a:b], offsets)
+                 for a, b in segments(inputs["position_ids"][i])] for i in range(ids.shape[0])]
         if "cu_seq_lens_q" in inputs:  # flattened by the padding-free collator: one example per dataset row
             rows = [[example] for example in rows[0]]
     return [[e for e in row if e is not None] for row in rows]
@@ -126,16 +148,25 @@ class PromptGenerator:
     config: GenerationConfig
     encoder_decoder: bool
     synced_gpus: bool = False  # ZeRO-3 / FSDP: every rank keeps stepping until all have finished
+    offsets: dict[tuple, int] = field(default_factory=dict)  # answer_offsets of the eval set
 
     def examples(self, inputs: dict[str, Any]) -> list[list[Example]]:
         """The batch's examples grouped by dataset row."""
-        return seq2seq_examples(inputs) if self.encoder_decoder else causal_examples(inputs)
+        return seq2seq_examples(inputs) if self.encoder_decoder else causal_examples(inputs, self.offsets)
+
+    def prompt_ids(self, example: Example) -> list[int]:
+        """The prompt's tokens; a prompt ending inside the first answer token gets its own last characters back."""
+        if not example.prompt_chars:
+            return example.prompt
+        tail = self.tokenizer.decode(example.reference[:1])[:example.prompt_chars]
+        return example.prompt + self.tokenizer.encode(tail, add_special_tokens=False)
 
     def generate(self, examples: list[Example], device: torch.device | str) -> list[dict[str, str]]:
         """Generate for every example in one batched call and decode prompt, reference and prediction."""
         if not examples:
             return []
-        ids, mask = pad_prompts([e.prompt for e in examples], self.tokenizer.pad_token_id,
+        prompts = [self.prompt_ids(e) for e in examples]
+        ids, mask = pad_prompts(prompts, self.tokenizer.pad_token_id,
                                 left=not self.encoder_decoder, device=device)
         with torch.no_grad(), full_parameters(self.model):
             output = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.config,
@@ -144,12 +175,12 @@ class PromptGenerator:
         output = output.view(len(examples), per_prompt, -1)[:, 0]  # the best sequence of each prompt
         # A decoder-only output repeats the (padded) prompt; an encoder-decoder one starts with the decoder start id.
         new_tokens = output[:, 1:] if self.encoder_decoder else output[:, ids.shape[1]:]
-        return [self.record(e, tokens.tolist()) for e, tokens in zip(examples, new_tokens)]
+        return [self.record(e, p, tokens.tolist()) for e, p, tokens in zip(examples, prompts, new_tokens)]
 
-    def record(self, example: Example, generated: list[int]) -> dict[str, str]:
+    def record(self, example: Example, prompt: list[int], generated: list[int]) -> dict[str, str]:
         """One predictions.jsonl line; reference and prediction end at the first stop token."""
-        return {"prompt": self.tokenizer.decode(example.prompt, skip_special_tokens=False),
-                "reference": self.decode_answer(example.reference),
+        return {"prompt": self.tokenizer.decode(prompt, skip_special_tokens=False),
+                "reference": self.decode_answer(example.reference)[example.prompt_chars:],
                 "prediction": self.decode_answer(generated)}
 
     def decode_answer(self, tokens: list[int]) -> str:

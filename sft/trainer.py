@@ -20,7 +20,7 @@ from sft.interrupt import StopOnSignal
 from sft.loss import attach_chunked_loss
 from sft.metrics import compute_metrics, resolve_metrics
 from sft.neftune import NEFTune, token_example_lengths
-from sft.predict import PromptGenerator, eval_generation_config, write_predictions
+from sft.predict import PromptGenerator, answer_offsets, eval_generation_config, write_predictions
 from sft.seq2seq import seq2seq_token_loss
 from sft.packing import PackedCollator, PaddingFreeCollator
 
@@ -81,6 +81,8 @@ class SFTMixin:
         self._metric_fns = resolve_metrics(self.args.metrics if isinstance(self.args, SFTConfig) else None
                                            ) if self._generating else []
         self._generator: PromptGenerator | None = None
+        # Where answers start inside a token (sft.predict); train() sets it from the unpacked eval set when packing.
+        self.answer_offsets = answer_offsets(self.eval_dataset) if self._generating else {}
         self._gen_overrides: dict[str, Any] = {}
         self._predictions: list[dict[str, str]] = []
 
@@ -198,7 +200,8 @@ class SFTMixin:
         config = eval_generation_config(unwrapped, self.processing_class, self.args, self._gen_overrides)
         # Sharded parameters are gathered layer by layer on every rank: all ranks must keep stepping together.
         synced = is_deepspeed_zero3_enabled() or is_fsdp_managed_module(self.model)
-        return PromptGenerator(self.model, self.processing_class, config, unwrapped.config.is_encoder_decoder, synced)
+        return PromptGenerator(self.model, self.processing_class, config, unwrapped.config.is_encoder_decoder, synced,
+                               self.answer_offsets)
 
     def _generation_metrics(self, prefix: str) -> dict[str, float]:
         """Metrics of the collected predictions (prefixed); predictions.jsonl written by the main process."""

@@ -17,6 +17,7 @@ from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
 from sft.metrics import resolve_metrics
 from sft.model import load_model, load_model_config, load_tokenizer
 from sft.packing import check_packing_supported, pack_dataset, pack_dataset_with_stats
+from sft.predict import answer_offsets
 from sft.quantization import check_quantization
 from sft.recipe import save_recipe
 from sft.report import plot_loss, write_model_card
@@ -46,6 +47,8 @@ def train(config: SFTConfig) -> Path:
     model = load_model(config, tokenizer)
     trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer, train_dataset=train_set,
                                    eval_dataset=eval_set)
+    if eval_data is not None and config.predict_with_generate:
+        trainer.answer_offsets = answer_offsets(eval_data.dataset)  # the packed eval set no longer carries them
     output_dir = prepare_output_dir(config, resume, trainer)
     result = trainer.train(resume_from_checkpoint=resume)
     if trainer.is_world_process_zero():
