@@ -1,0 +1,99 @@
+"""Inputs a user has are read: BOM, `~`, one JSON object or a {"data": [...]} wrapper, hidden folders skipped, split
+slices in `sft check`; duplicate recipe keys refused; a tokenizer of another family warned about."""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from sft.errors import SFTError
+from sft.recipe import load_recipe
+from sft.sources import Source, load_source
+
+CORPUS = Path(__file__).parent / "bad_inputs"
+ROWS = json.loads((CORPUS / "good.json").read_text())
+TOKENIZERS = Path(os.environ.get("SFT_SHARED_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures")
+                  ) / "tokenizers"
+
+
+def rows_of(path: Path, split: str = "train") -> list[dict]:
+    return load_source(Source(str(path), split=split)).to_list()
+
+
+@pytest.mark.parametrize("jsonl", [False, True])
+def test_utf8_bom_files_are_read(tmp_path, jsonl):
+    text = "\n".join(json.dumps(r) for r in ROWS) if jsonl else json.dumps(ROWS)
+    path = tmp_path / ("bom.jsonl" if jsonl else "bom.json")
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert rows_of(path) == ROWS
+    assert rows_of(path, "train[:3]") == ROWS[:3]
+
+
+def test_one_object_and_a_data_wrapper_are_read(tmp_path):
+    single, wrapped = tmp_path / "one.json", tmp_path / "wrapped.json"
+    single.write_text(json.dumps(ROWS[0], indent=2))  # pretty-printed: not JSON Lines
+    wrapped.write_text(json.dumps({"version": "1.0", "data": ROWS}, indent=2))
+    assert rows_of(single) == ROWS[:1]
+    assert rows_of(wrapped) == ROWS
+
+
+def test_a_single_chat_row_is_a_row_not_a_wrapper(tmp_path):
+    """Negative control for the wrapper rule: `messages` is a list of objects inside one row."""
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(row, indent=2))
+    assert rows_of(path) == [row]
+
+
+def test_hidden_and_checkpoint_folders_are_not_data(tmp_path):
+    (tmp_path / "part1.json").write_text(json.dumps(ROWS))
+    for hidden in (".ipynb_checkpoints/part1-checkpoint.json", ".cache/copy.json"):
+        (tmp_path / hidden).parent.mkdir()
+        (tmp_path / hidden).write_text(json.dumps(ROWS))
+    assert len(rows_of(tmp_path)) == len(ROWS)
+
+
+def test_home_paths_are_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "data.json").write_text(json.dumps(ROWS))
+    assert rows_of(Path("~/data.json")) == ROWS
+
+
+def test_check_samples_a_sliced_split(tmp_path):
+    from sft.check import CheckReport, sample_data
+
+    (tmp_path / "data.json").write_text(json.dumps(ROWS))
+    config = load_recipe({"dataset": [{"path": str(tmp_path / "data.json"), "split": "train[:6]"}]})
+    sample = sample_data(config, CheckReport(recipe="recipe.yaml"))
+    split = sample["dataset"][0]["split"]
+    assert split.count("[") == 1
+    assert rows_of(tmp_path / "data.json", split) == ROWS[:len(rows_of(tmp_path / "data.json", split))]
+
+
+def test_duplicate_recipe_keys_name_both_lines(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("dataset:\n  - path: a.json\n    weight: 1\n    weight: 2\nlearning_rate: 1.0e-4\n")
+    with pytest.raises(SFTError, match="key `weight` is set twice, on lines 3 and 4"):
+        load_recipe(path)
+    path.write_text("learning_rate: 1.0e-4\nmax_steps: 3\n")  # control: distinct keys load
+    assert load_recipe(path).max_steps == 3
+
+
+@pytest.mark.skipif(not (TOKENIZERS / "qwen2.5-coder-3b-instruct").is_dir(), reason=f"no real tokenizers at {TOKENIZERS}")
+def test_a_tokenizer_of_another_family_warns_with_the_new_rows(tiny_model_dir, caplog):
+    from sft.model import load_model, load_tokenizer
+
+    config = load_recipe({"model_name_or_path": str(tiny_model_dir)})
+    own = load_tokenizer(config)
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        load_model(config, own)  # control: the model's own tokenizer
+    assert "DOES NOT FIT" not in caplog.text
+    config = load_recipe({"model_name_or_path": str(tiny_model_dir),
+                          "tokenizer_name_or_path": str(TOKENIZERS / "qwen2.5-coder-3b-instruct")})
+    tokenizer = load_tokenizer(config)
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        load_model(config, tokenizer)
+    rows = len(tokenizer) - len(own)
+    assert f"so {rows} new untrained rows are added" in caplog.text

@@ -1,0 +1,83 @@
+"""sft only replaces what sft wrote: user files in output_dir survive train (with and without
+--overwrite_output_dir) and eval; an earlier sft run is replaced only when asked, and only its own files."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sft import rundir
+from sft.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data" / "alpaca_sample.json"
+
+
+def run(*argv: str) -> int:
+    return main(list(argv))
+
+
+def recipe(tmp_path: Path, out: Path, dataset: Path = DATA) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"model_name_or_path: {REPO / 'data/models/tiny-llama'}\ndataset: {dataset}\noutput_dir: {out}\n"
+                    "max_steps: 1\nmax_length: 128\nreport_to: none\nsave_strategy: 'no'\neval_split_size: 8\n")
+    return str(path)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_user_files_survive_train_with_and_without_overwrite(tmp_path, capsys):
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "data.json").write_bytes(DATA.read_bytes())  # the training data lives in the output folder
+    (out / "notes.md").write_text("experiment log\n")
+    (out / "README.md").write_text("# My project\n")
+    (out / "config.json").write_text(json.dumps({"mine": True}))
+    before = snapshot(out)
+    for extra in ([], ["--overwrite_output_dir", "true"]):
+        assert run("train", recipe(tmp_path, out, out / "data.json"), *extra) == 2
+        err = capsys.readouterr().err
+        assert "README.md, config.json, data.json, notes.md" in err  # every foreign file named
+        assert "--overwrite_output_dir" not in err  # the refusal never points at a flag that would delete them
+        assert snapshot(out) == before
+
+
+def test_overwrite_replaces_only_an_earlier_runs_files(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run("train", recipe(tmp_path, out)) == 0
+    assert rundir.is_run(out) and (out / "README.md").exists()
+    first = (out / "sft_run.json").read_bytes()
+    assert run("train", recipe(tmp_path, out)) == 2  # an earlier run is not replaced unless asked
+    assert "already holds an sft run" in capsys.readouterr().err
+    assert run("train", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 0  # control: it can be
+    assert (out / "sft_run.json").read_bytes() != first
+    (out / "notes.txt").write_text("added by the user after the run\n")
+    card = (out / "README.md").read_text()
+    (out / "README.md").write_text(card + "\nMy edits.\n")
+    before = snapshot(out)
+    assert run("train", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 2
+    assert "README.md, notes.txt" in capsys.readouterr().err  # the edited model card is the user's now
+    assert snapshot(out) == before
+
+
+def test_eval_writes_beside_a_run_and_replaces_its_results_only_when_asked(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run("train", recipe(tmp_path, out)) == 0
+    before = snapshot(out)
+    assert run("eval", recipe(tmp_path, out)) == 2
+    assert "already holds eval_results.json" in capsys.readouterr().err
+    assert snapshot(out) == before
+    assert run("eval", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 0
+    after = snapshot(out)
+    changed = {name for name in before if after.get(name) != before[name]}
+    assert changed <= {"eval_results.json", "sft_run.json"} and "eval_results.json" in changed
+    assert "eval_perplexity" in json.loads(after["eval_results.json"])
+    assert not rundir.foreign_entries(out)
+
+
+def test_unwritable_output_dir_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(rundir.os, "access", lambda path, mode: False)  # root ignores permission bits
+    with pytest.raises(rundir.SFTError, match="is not writable"):
+        rundir.check_output_dir(tmp_path / "out")
