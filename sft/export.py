@@ -1,9 +1,9 @@
 """`sft merge`: fold a LoRA adapter into its base model and save a plain transformers model folder."""
 
 import logging
-import shutil
 from pathlib import Path
 
+from sft import rundir
 from sft.errors import SFTError
 from sft.adapters import ADAPTER_CONFIG, is_adapter_folder
 from sft.generation import check_folder, load_adapter, load_saved_tokenizer
@@ -40,23 +40,24 @@ def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = 
     empty_output(out)
     merged.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+    rundir.claim(out)
     log.info("Merged %s into %s and saved it to %s", folder, model.peft_config["default"].base_model_name_or_path, out)
     return out
 
 
 def check_output(out: Path, adapter: Path, overwrite: bool) -> None:
-    """Refuse an output folder that holds files (unless overwrite), is a file, or contains the adapter."""
+    """Refuse an output folder that holds files sft did not write, an earlier merge (unless overwrite), a file, or the
+    adapter itself."""
     if out.resolve() == adapter.resolve() or out.resolve() in adapter.resolve().parents:
         raise SFTError(f"OUTPUT_DIR {out} contains the adapter {adapter}; choose another folder.")
-    if out.exists() and not out.is_dir():
-        raise SFTError(f"OUTPUT_DIR {out} is a file; give a folder.")
+    rundir.check_output_dir(out, "OUTPUT_DIR")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise SFTError(f"OUTPUT_DIR {out} is not empty. Choose an empty folder or pass --overwrite to replace it.")
+        raise SFTError(f"OUTPUT_DIR {out} already holds a model sft wrote. Choose an empty folder or pass --overwrite "
+                       "to replace it.")
 
 
 def empty_output(out: Path) -> None:
-    """Create `out` empty; what an allowed overwrite replaces goes only once the merged model is ready."""
+    """Create `out` empty; what an allowed overwrite replaces (sft's files only) goes once the merged model is ready."""
     if out.is_dir() and any(out.iterdir()):
-        log.warning("--overwrite: removing the contents of %s", out)
-        shutil.rmtree(out)
+        log.warning("--overwrite: removing the earlier %s from %s", rundir.describe(rundir.clear_run(out)), out)
     out.mkdir(parents=True, exist_ok=True)

@@ -86,14 +86,20 @@ def test_merged_folder_is_plain_transformers(lora_run, tmp_path):
     assert len(tokenizer) == 402 and tokenizer.chat_template == TEMPLATE
 
 
-def test_merge_refuses_a_non_empty_output_unless_overwrite(lora_run, tmp_path, capsys):
+def test_merge_never_replaces_a_users_files_and_replaces_its_own_only_with_overwrite(lora_run, tmp_path, capsys):
     out = tmp_path / "merged"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    assert main(["merge", str(lora_run), str(out)]) == 2
-    assert "not empty" in capsys.readouterr().err and (out / "notes.txt").exists()
+    for extra in ([], ["--overwrite"]):
+        assert main(["merge", str(lora_run), str(out), *extra]) == 2
+        assert "holds files sft did not write" in capsys.readouterr().err
+        assert (out / "notes.txt").read_text() == "keep me"
+    (out / "notes.txt").unlink()
+    assert main(["merge", str(lora_run), str(out)]) == 0
+    assert main(["merge", str(lora_run), str(out)]) == 2  # an earlier merge stays unless asked
+    assert "already holds a model sft wrote" in capsys.readouterr().err
     assert main(["merge", str(lora_run), str(out), "--overwrite"]) == 0
-    assert (out / "model.safetensors").is_file() and not (out / "notes.txt").exists()
+    assert (out / "model.safetensors").is_file()
 
 
 def test_qlora_merge_dequantizes_the_base_it_trained_on(tmp_path, tokenizer):
