@@ -16,7 +16,9 @@ from pathlib import Path
 from sft.errors import SFTError
 
 MANIFEST = "sft_run.json"
-CHECKPOINT_NAME = re.compile(r"(checkpoint-\d+|\.staging-\d+)$")  # the Trainer's folders and sft's staging ones
+# The Trainer's checkpoint folders, sft's staging ones and TensorBoard logs: sft's in a marked folder even when a
+# killed run never listed them.
+CHECKPOINT_NAME = re.compile(r"(checkpoint-\d+|\.staging-\d+|runs)$")
 SHOWN = 8  # foreign names listed in a refusal
 
 
