@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from conftest import write_json
 from sft import SFTError, build_datasets, load_recipe, train
+from sft import rundir
 from sft.model import load_model, load_tokenizer
 from sft.trainer import SFTTrainer
 
@@ -117,6 +118,7 @@ def test_resume_restores_adapter_optimizer_scheduler_and_rng(tmp_path, tiny_mode
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     shutil.copytree(straight / "checkpoint-3", resumed_dir / "checkpoint-3")  # as if killed after step 3
+    rundir.claim(resumed_dir)  # a killed run's folder carries the manifest sft wrote when the run started
     resumed = train(recipe(tiny_model_dir, data_file, resumed_dir, resume_from_checkpoint="true", **settings))
     a, b = load_file(straight / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
     assert a.keys() == b.keys()
@@ -157,4 +159,4 @@ def test_modules_to_save_and_new_tokens_do_not_clash(tmp_path, grown_model_dir, 
 ])
 def test_invalid_quantization_or_targets_are_refused(tmp_path, tiny_model_dir, data_file, keys, message):
     with pytest.raises(SFTError, match=message):
-        train(recipe(tiny_model_dir, data_file, tmp_path, **keys))
+        train(recipe(tiny_model_dir, data_file, tmp_path / "out", **keys))

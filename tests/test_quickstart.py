@@ -68,4 +68,4 @@ def test_resolved_recipe_reruns(quickstart_run, tmp_path):
 
 def test_output_dir_holding_a_run_is_refused(quickstart_run, capsys):
     code = main(["train", str(quickstart_run / "recipe.yaml"), "--max_steps", "2"])
-    assert code == 2 and "already holds a run" in capsys.readouterr().err
+    assert code == 2 and "already holds an sft run" in capsys.readouterr().err
