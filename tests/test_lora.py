@@ -13,8 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from conftest import write_json
-from sft import SFTError, build_datasets, load_recipe, train
-from sft import rundir
+from sft import SFTError, build_datasets, load_recipe, rundir, train
 from sft.model import load_model, load_tokenizer
 from sft.trainer import SFTTrainer
 
