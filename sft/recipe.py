@@ -69,12 +69,19 @@ def read_recipe_file(path: str | Path) -> dict:
     except DuplicateKey as err:
         raise SFTError(f"Recipe {path}: {err}") from None
     except yaml.YAMLError as err:
-        raise SFTError(f"Recipe {path} is not valid YAML: {err}") from None
+        raise SFTError(f"Recipe {path} is not valid YAML: {yaml_problem(err)}") from None
     if values is None:
         return {}
     if not isinstance(values, dict):
         raise SFTError(f"Recipe {path} must be a mapping of keys to values, got a {type(values).__name__}.")
     return values
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's multi-line report as one line: the problem and where it was found."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -134,6 +141,8 @@ def coerce(key: str, value: Any, origin: str, from_text: bool = False) -> Any:
         value = _convert(value, TYPES[key], from_text)
     except (TypeError, ValueError) as err:
         raise SFTError(f"Bad value for `{key}` in {origin}: {err}.") from None
+    except yaml.YAMLError as err:  # a flag value such as --dataset "[{path: x"
+        raise SFTError(f"Bad value for `{key}` in {origin}: not valid YAML ({yaml_problem(err)}).") from None
     choices = field.metadata.get("choices")
     if choices and value is not None and value not in choices:
         raise SFTError(f"Bad value for `{key}` in {origin}: {value!r} is not one of {', '.join(choices)}.")

@@ -27,9 +27,19 @@ def check_values(config: SFTConfig) -> None:
     if config.max_steps == 0 or config.max_steps < -1:
         raise SFTError(f"Bad value for `max_steps`: {config.max_steps}; give a positive number of optimizer steps, "
                        "or -1 to train for num_train_epochs.")
+    for key in ("logging_steps", "save_steps", "eval_steps"):  # a float below 1 is a ratio of the total steps
+        value = getattr(config, key)
+        if value is not None and not value > 0:
+            raise SFTError(f"Bad value for `{key}`: {value!r}; give a positive number of steps (or a ratio below 1).")
+    if config.num_train_epochs == 0 and config.max_steps == -1:
+        raise SFTError("num_train_epochs is 0 and max_steps unset: the run would train nothing. Set num_train_epochs "
+                       "or max_steps.")
+    if not 0 <= config.seed < 2**32:
+        raise SFTError(f"Bad value for `seed`: {config.seed}; give a number from 0 to 4294967295.")
     if config.lora_dropout >= 1:
         raise SFTError(f"Bad value for `lora_dropout`: {config.lora_dropout}; a dropout probability is below 1.")
     check_eval_split(config.eval_split_size)
+    check_reporting(config.report_to)
     check_eval_plan(config)
     if not str(config.output_dir or "").strip():
         raise SFTError("`output_dir` is empty: give the folder the run should write to, e.g. outputs/my-run.")
@@ -40,6 +50,18 @@ def check_eval_split(size: float) -> None:
     if size >= 1 and not float(size).is_integer():
         raise SFTError(f"Bad value for `eval_split_size`: {size}; give a fraction below 1 (0.1 = 10% of the rows) "
                        "or a whole number of rows (e.g. 100).")
+
+
+def check_reporting(report_to: list[str] | None) -> None:
+    """Every logger in report_to is installed; the Trainer would otherwise fail after the model has loaded."""
+    from transformers.integrations import get_available_reporting_integrations
+
+    missing = [name for name in report_to or [] if name not in ("none", "all")
+               and name not in get_available_reporting_integrations()]
+    if missing:
+        raise SFTError(f"report_to: {missing[0]} is not installed here (available: "
+                       f"{', '.join(get_available_reporting_integrations()) or 'none'}). Install it "
+                       f"(pip install {missing[0]}) or set report_to: none.")
 
 
 def check_eval_plan(config: SFTConfig) -> None:

@@ -45,7 +45,7 @@ def make_template_model(tiny_model_dir: Path, tmp: Path, template: str) -> Path:
 
 
 def snapshot(out: Path) -> dict[str, bytes] | None:
-    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} if out.exists() else None
+    return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()} if out.exists() else None
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -68,6 +68,7 @@ def test_bad_input_exits_with_one_clear_line(name, tmp_path, tiny_model_dir, cap
     assert fill(case["message"], model, tmp_path) in err, err[-2000:]
     assert "Traceback" not in err
     assert len([line for line in err.splitlines() if line.startswith("sft: error:")]) == 1
+    assert "\n" not in err.split("sft: error:")[1].strip(), "the error is more than one line"
     if "not_in" in case:
         assert case["not_in"] not in err, err[-2000:]
     after = snapshot(out)
