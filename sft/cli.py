@@ -213,10 +213,11 @@ def load_for_verb(args: argparse.Namespace, rest: list[str]) -> tuple:
     from sft.generation import GenerationOptions, load_for_inference
 
     reject_extra(rest)
-    model, tokenizer = load_for_inference(args.model_dir, args.dtype, args.base_model)
     options = GenerationOptions(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                 template=args.template)
+    options.check()  # before the model loads
+    model, tokenizer = load_for_inference(args.model_dir, args.dtype, args.base_model)
     return model, tokenizer, options
 
 

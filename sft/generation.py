@@ -39,6 +39,16 @@ class GenerationOptions:
     seed: int | None = None
     template: str = "auto"  # auto: the chat template if the tokenizer has one, else alpaca; or chat / alpaca
 
+    def check(self) -> None:
+        """Values generate() would reject with a traceback, as one-line errors."""
+        if self.max_new_tokens < 1:
+            raise SFTError(f"--max_new_tokens must be at least 1, got {self.max_new_tokens}.")
+        if self.do_sample and not self.temperature > 0:
+            raise SFTError(f"--temperature must be above 0 with --do_sample, got {self.temperature} (for greedy "
+                           "decoding leave out --do_sample).")
+        if self.do_sample and not 0 < self.top_p <= 1:
+            raise SFTError(f"--top_p must be in (0, 1], got {self.top_p}.")
+
 
 def load_for_inference(path: str | Path, dtype: str = "auto", base_model: str | None = None,
                        device: str | None = None) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
