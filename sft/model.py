@@ -12,6 +12,7 @@ from sft.adapters import add_adapter, base_model_name, is_adapter_folder, load_t
 from sft.config import SFTConfig
 from sft.errors import SFTError
 from sft.quantization import quantized_loading
+from sft.sources import looks_local
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -24,8 +25,7 @@ def check_model_reference(name: str | None, key: str = "model_name_or_path") -> 
     """`name` as given, or an error when it is unset or a local path that does not exist."""
     if not name:
         raise SFTError(f"`{key}` is not set: give a Hub id (e.g. Qwen/Qwen2.5-0.5B) or a local model folder.")
-    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
-    if looks_local and not Path(name).expanduser().exists():
+    if looks_local(name) and not Path(name).expanduser().exists():
         raise SFTError(f"`{key}`: {name} does not exist. Give an existing folder or a Hub id like org/name.")
     return str(Path(name).expanduser()) if name.startswith("~") else name
 

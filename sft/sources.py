@@ -69,12 +69,16 @@ def load_source(source: Source) -> datasets.Dataset:
     return rename_columns(ds, source)
 
 
+def looks_local(name: str) -> bool:
+    """Whether `name` is meant as a local path rather than a Hub id (`name` or `org/name`): it starts with . / ~,
+    has more than one slash, or its first part is a folder here (`data/alpaca_smaple` is a typo, not a Hub id)."""
+    first = Path(name).parts[0] if Path(name).parts else ""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or ("/" in name and Path(first).is_dir())
+
+
 def _check_reachable(source: Source) -> None:
     """A path-looking source that is not on disk is a typo, not a Hub id."""
-    first = Path(source.path).parts[0] if Path(source.path).parts else ""
-    # Hub ids are `name` or `org/name`; deeper paths, file suffixes and a first part that is a local folder are not.
-    if (source.path.startswith((".", "/", "~")) or Path(source.path).suffix in FILE_TYPES
-            or source.path.count("/") > 1 or ("/" in source.path and Path(first).is_dir())):
+    if looks_local(source.path) or Path(source.path).suffix in FILE_TYPES:
         raise SFTError(f"Dataset file {source.path} does not exist. Check the path (relative paths start from "
                        f"{Path.cwd()}).")
 
