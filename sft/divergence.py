@@ -35,7 +35,8 @@ class DivergenceGuard(TrainerCallback):
         if finite and control.should_save:  # a finite loss after a NaN update: check the weights before saving
             finite = all(bool(torch.isfinite(p).all()) for p in kwargs["model"].parameters())
         if not self._agree(finite):
-            what = f"the loss is {loss}" if not math.isfinite(loss) else "the weights are not finite"
+            what = (f"the loss is {loss}" if not math.isfinite(loss)
+                    else "the weights stopped being finite (a non-finite gradient)")
             self._stop(state.global_step, what, control)
         elif self.bad is None:
             self.last_finite = (state.global_step, loss)
@@ -77,6 +78,6 @@ class DivergenceGuard(TrainerCallback):
         kept = (f"The last good checkpoint is {checkpoint}; resume from it with --resume_from_checkpoint {checkpoint}"
                 " once the recipe is fixed." if checkpoint else
                 "No checkpoint had been saved before it, and the diverged weights were not saved.")
+        fp16 = ", or use bf16 instead of fp16" if args.fp16 else ""
         return (f"Training diverged at step {step}: {what} ({last}). Lower learning_rate (now {args.learning_rate:g}), "
-                f"add warmup_steps, keep max_grad_norm > 0 (now {args.max_grad_norm:g}), or use bf16 instead of fp16. "
-                + kept)
+                f"add warmup_steps or keep max_grad_norm > 0 (now {args.max_grad_norm:g}){fp16}. " + kept)
