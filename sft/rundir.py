@@ -79,12 +79,13 @@ def writable(folder: Path) -> bool:
 
 
 def check_output_dir(out: Path, key: str = "output_dir") -> None:
-    """`out` can hold a run: writable, and new, empty or an earlier sft run without foreign files."""
-    check_writable(out, key)
+    """`out` can hold a run: new, empty or an earlier sft run without foreign files, and writable."""
     foreign = foreign_entries(out)
-    if foreign:
-        raise SFTError(f"{key} {out} holds files sft did not write (or that changed since): {describe(foreign)}. sft writes only into a new "
-                       f"or empty folder or an earlier sft run; move those files or choose another {key}.")
+    if foreign:  # checked before the writability probe, which would touch the folder's mtime
+        raise SFTError(f"{key} {out} holds files sft did not write (or that changed since): {describe(foreign)}. "
+                       f"sft writes only into a new or empty folder or an earlier sft run; move those files or choose "
+                       f"another {key}.")
+    check_writable(out, key)
 
 
 def is_run(out: Path) -> bool:

@@ -81,7 +81,8 @@ def test_duplicate_recipe_keys_name_both_lines(tmp_path):
     assert load_recipe(path).max_steps == 3
 
 
-@pytest.mark.skipif(not (TOKENIZERS / "qwen2.5-coder-3b-instruct").is_dir(), reason=f"no real tokenizers at {TOKENIZERS}")
+@pytest.mark.skipif(not (TOKENIZERS / "qwen2.5-coder-3b-instruct").is_dir(),
+                    reason=f"no real tokenizers at {TOKENIZERS}")
 def test_a_tokenizer_of_another_family_warns_with_the_new_rows(tiny_model_dir, caplog):
     from sft.model import load_model, load_tokenizer
 
