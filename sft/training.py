@@ -193,6 +193,7 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
     with predict_with_generate; writes eval_results.json to output_dir, replacing an earlier one only when asked."""
     out = Path(config.output_dir)
     check_eval_output(out, config.overwrite_output_dir)
+    check_max_length(config)
     tokenizer = load_tokenizer(config)
     with config.main_process_first(desc="tokenizing"):
         _, eval_data = prepare_splits(config, tokenizer)
