@@ -63,7 +63,8 @@ class SFTConfig(Seq2SeqTrainingArguments):
                                    "(skip and count them).", "error", choices=("error", "drop"))
     dataset_num_proc: int | None = _help("Processes for tokenization (datasets.map num_proc).")
     dataloader_pin_memory: bool = _help("Pin dataloader memory (only useful with a GPU).", torch.cuda.is_available())
-    overwrite_output_dir: bool = _help("Replace an existing run in output_dir instead of refusing.", False)
+    overwrite_output_dir: bool = _help("Replace an earlier sft run in output_dir (only the files sft wrote) "
+                                       "instead of refusing.", False)
 
     # Packing
     packing: bool = _help("Pack examples into rows of max_length (best-fit-decreasing over the whole dataset).", False)
