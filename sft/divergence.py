@@ -21,6 +21,7 @@ class DivergenceGuard(TrainerCallback):
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self._step_loss = 0.0
+        self._grad_norm = 0.0
         self.last_finite: tuple[int, float] | None = None  # (step, loss) of the last good step
         self.bad: tuple[int, str] | None = None  # (step, what was not finite)
 
@@ -28,15 +29,26 @@ class DivergenceGuard(TrainerCallback):
         """One micro-batch's loss (already scaled for gradient accumulation); the step's loss is their sum."""
         self._step_loss += float(loss)  # the Trainer already syncs on each loss for its NaN filter
 
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                              **kwargs: Any) -> TrainerControl:
+        # The Trainer keeps the step's gradient norm to itself; one more norm over the (clipped) gradients is cheap
+        # next to the step. A non-finite norm makes clipping turn every gradient into NaN, so this sees it either way.
+        # fp16's loss scaler skips steps with infinite gradients on purpose; ZeRO keeps gradients out of p.grad.
+        grads = [p.grad for p in kwargs["model"].parameters() if p.grad is not None]
+        if grads and not args.fp16:
+            self._grad_norm = float(torch.nn.utils.get_total_norm(grads))
+        return control
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
         loss, self._step_loss = self._step_loss, 0.0
-        finite = math.isfinite(loss)
-        if finite and control.should_save:  # a finite loss after a NaN update: check the weights before saving
+        norm, self._grad_norm = self._grad_norm, 0.0
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if finite and control.should_save:  # belt and braces: never save weights that are not finite
             finite = all(bool(torch.isfinite(p).all()) for p in kwargs["model"].parameters())
         if not self._agree(finite):
-            what = (f"the loss is {loss}" if not math.isfinite(loss)
-                    else "the weights stopped being finite (a non-finite gradient)")
+            what = (f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {norm} (loss {loss:.4g})"
+                    if not math.isfinite(norm) else "the weights are not finite")
             self._stop(state.global_step, what, control)
         elif self.bad is None:
             self.last_finite = (state.global_step, loss)
@@ -71,8 +83,8 @@ class DivergenceGuard(TrainerCallback):
     def message(self, args: TrainingArguments) -> str:
         """What happened, what is kept, and what to change."""
         step, what = self.bad
-        last = (f"last finite loss {self.last_finite[1]:.4g} at step {self.last_finite[0]}" if self.last_finite
-                else "no step had a finite loss")
+        last = (f"last good step {self.last_finite[0]} had loss {self.last_finite[1]:.4g}" if self.last_finite
+                else "no step was finite")
         out = Path(args.output_dir)
         checkpoint = get_last_checkpoint(str(out)) if out.is_dir() else None
         kept = (f"The last good checkpoint is {checkpoint}; resume from it with --resume_from_checkpoint {checkpoint}"
