@@ -159,9 +159,11 @@ def add_inference_verbs(verbs: argparse._SubParsersAction) -> None:
                              description="Merge a LoRA adapter into the base model named in its adapter_config.json "
                                          "and save a plain transformers model (safetensors, tokenizer, chat template).")
     merge.add_argument("adapter_dir", help="output_dir (or checkpoint-N folder) of a use_peft run")
-    merge.add_argument("output_dir", help="folder for the merged model: new, empty, or an earlier merge (with --overwrite)")
+    merge.add_argument("output_dir",
+                       help="folder for the merged model: new, empty, or an earlier merge (with --overwrite)")
     merge.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="weights dtype (auto: the base's)")
-    merge.add_argument("--overwrite", action="store_true", help="replace an earlier merge sft wrote there (never other files)")
+    merge.add_argument("--overwrite", action="store_true",
+                       help="replace an earlier merge sft wrote there (never other files)")
     merge.add_argument("--base_model", help="merge into this base instead of the one in adapter_config.json")
     merge.set_defaults(run=run_merge)
     generate = verbs.add_parser("generate", help="generate a reply to one prompt",

@@ -47,8 +47,9 @@ class DivergenceGuard(TrainerCallback):
         if finite and control.should_save:  # belt and braces: never save weights that are not finite
             finite = all(bool(torch.isfinite(p).all()) for p in kwargs["model"].parameters())
         if not self._agree(finite):
-            what = (f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {norm} (loss {loss:.4g})"
-                    if not math.isfinite(norm) else "the weights are not finite")
+            what = (f"the loss is {loss}" if not math.isfinite(loss)
+                    else f"the gradient norm is {norm} (loss {loss:.4g})" if not math.isfinite(norm)
+                    else "the weights are not finite")
             self._stop(state.global_step, what, control)
         elif self.bad is None:
             self.last_finite = (state.global_step, loss)

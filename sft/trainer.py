@@ -72,7 +72,7 @@ class SFTMixin:
         self.stop_on_signal = StopOnSignal(self.accelerator)
         self.add_callback(self.stop_on_signal)
         self.divergence = DivergenceGuard(self)
-        self.add_callback(self.divergence)  # after StopOnSignal: a diverged step must not be saved on a signal either
+        self.add_callback(self.divergence)  # after StopOnSignal: a diverged step is not saved on a signal either
         self._staging: str | None = None
         self._eval_sums = torch.zeros(2)
         self._eval_split_examples = self._eval_dedup = False  # set per evaluation (evaluation_loop)
