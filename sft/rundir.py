@@ -1,11 +1,12 @@
 """Output folders sft owns: a manifest (sft_run.json) names what sft wrote, so sft only ever replaces its own files.
 
 A folder is an sft run when it holds the manifest. An entry is sft's when the manifest lists it with the size and
-modification time sft left it with (a file a user edited afterwards, e.g. the model card README.md, is the user's
+content hash sft left it with (a file a user edited afterwards, e.g. the model card README.md, is the user's
 again), or when it is a checkpoint folder of a marked run (a run killed mid-save never listed it). Everything else is
 foreign: sft refuses to write into a folder holding foreign entries and never deletes them.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -20,14 +21,16 @@ MANIFEST = "sft_run.json"
 # killed run never listed them.
 CHECKPOINT_NAME = re.compile(r"(checkpoint-\d+|\.staging-\d+|runs)$")
 SHOWN = 8  # foreign names listed in a refusal
+HASHED_BYTES = 16 * 2**20  # larger files (weights) are identified by size alone: hashing them costs seconds
 
 
-def _stamp(path: Path) -> list[int] | None:
-    """What identifies a file's content cheaply (size, mtime); folders are identified by name alone."""
+def _stamp(path: Path) -> list | None:
+    """What identifies a file's content: its size, and the hash of files up to HASHED_BYTES (recipes, results, the
+    model card). Not the modification time, so a copied or synced run folder is still sft's. Folders: by name."""
     if path.is_dir():
         return None
-    info = path.stat()
-    return [info.st_size, info.st_mtime_ns]
+    size = path.stat().st_size
+    return [size, hashlib.sha256(path.read_bytes()).hexdigest() if size <= HASHED_BYTES else None]
 
 
 def read_manifest(out: Path) -> dict[str, list[int] | None] | None:

@@ -2,6 +2,7 @@
 --overwrite_output_dir) and eval; an earlier sft run is replaced only when asked, and only its own files."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,15 @@ def test_overwrite_replaces_only_an_earlier_runs_files(tmp_path, capsys):
     assert run("train", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 2
     assert "README.md, notes.txt" in capsys.readouterr().err  # the edited model card is the user's now
     assert snapshot(out) == before
+
+
+def test_a_copied_run_is_still_sfts(tmp_path):
+    out, copy = tmp_path / "run", tmp_path / "copy"
+    assert run("train", recipe(tmp_path, out)) == 0
+    shutil.copytree(out, copy, copy_function=shutil.copy)  # new modification times, same content
+    assert rundir.foreign_entries(copy) == []
+    (copy / "eval_results.json").write_text("{}\n")  # control: a changed file is the user's
+    assert rundir.foreign_entries(copy) == ["eval_results.json"]
 
 
 def test_eval_writes_beside_a_run_and_replaces_its_results_only_when_asked(tmp_path, capsys):
