@@ -48,7 +48,7 @@ class DivergenceGuard(TrainerCallback):
             finite = all(bool(torch.isfinite(p).all()) for p in kwargs["model"].parameters())
         if not self._agree(finite):
             what = (f"the loss is {loss}" if not math.isfinite(loss)
-                    else f"the gradient norm is {norm} (loss {loss:.4g})" if not math.isfinite(norm)
+                    else f"the gradient norm is {norm} at loss {loss:.4g}" if not math.isfinite(norm)
                     else "the weights are not finite")
             self._stop(state.global_step, what, control)
         elif self.bad is None:
@@ -84,7 +84,7 @@ class DivergenceGuard(TrainerCallback):
     def message(self, args: TrainingArguments) -> str:
         """What happened, what is kept, and what to change."""
         step, what = self.bad
-        last = (f"last good step {self.last_finite[0]} had loss {self.last_finite[1]:.4g}" if self.last_finite
+        last = (f"the last good step, {self.last_finite[0]}, had loss {self.last_finite[1]:.4g}" if self.last_finite
                 else "no step was finite")
         out = Path(args.output_dir)
         checkpoint = get_last_checkpoint(str(out)) if out.is_dir() else None
@@ -92,5 +92,5 @@ class DivergenceGuard(TrainerCallback):
                 " once the recipe is fixed." if checkpoint else
                 "No checkpoint had been saved before it, and the diverged weights were not saved.")
         fp16 = ", or use bf16 instead of fp16" if args.fp16 else ""
-        return (f"Training diverged at step {step}: {what} ({last}). Lower learning_rate (now {args.learning_rate:g}), "
+        return (f"Training diverged at step {step}: {what}; {last}. Lower learning_rate (now {args.learning_rate:g}), "
                 f"add warmup_steps or keep max_grad_norm > 0 (now {args.max_grad_norm:g}){fp16}. " + kept)
