@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_inference_verbs(verbs)
     add_recipe_verb(verbs, "check", "dry-run a recipe on CPU with a tiny model of its architecture", run_check)
     add_launch_verb(verbs)
+    add_plan_verb(verbs)
     listing = verbs.add_parser("recipes", help="list the shipped recipes")
     listing.add_argument("--dir", help="recipes folder (default: ./recipes, else the one beside the package)")
     listing.set_defaults(run=run_recipes)
@@ -262,6 +263,38 @@ def run_check(args: argparse.Namespace, rest: list[str]) -> None:
     from sft.check import check_recipe
 
     print(check_recipe(args.recipe, flags=rest).table())
+
+
+def add_plan_verb(verbs: argparse._SubParsersAction) -> None:
+    """sft plan RECIPE [--gpu G] [--num_gpus N] [--num_nodes M] [--json] [--trace] [recipe overrides]"""
+    from sft.hardware import DEFAULT_GPU
+
+    plan = add_recipe_verb(verbs, "plan", "will a recipe fit on a GPU, how fast will it run, which setting makes "
+                                          "it fit (offline, in seconds)", run_plan)
+    plan.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU kind (default {DEFAULT_GPU}; see sft/hardware.py)")
+    plan.add_argument("--num_gpus", type=int, default=1, help="GPUs per node (default 1)")
+    plan.add_argument("--num_nodes", type=int, default=1, help="nodes (default 1)")
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    plan.add_argument("--trace", action="store_true", help="also simulate one training step with fake tensors "
+                                                           "(MemTracker) and print its peak")
+
+
+def run_plan(args: argparse.Namespace, rest: list[str]) -> None:
+    """sft plan RECIPE [--gpu G] [--num_gpus N] [--num_nodes M] [--json] [--trace] [--key value ...]"""
+    import json
+
+    from sft.hardware import find_gpu
+    from sft.plan import plan_recipe
+    from sft.recipe import load_recipe
+
+    gpu = find_gpu(args.gpu)
+    config = load_recipe(args.recipe, flags=rest)
+    plan = plan_recipe(config, gpu, args.num_gpus, args.num_nodes)
+    if args.trace:
+        from sft.memtrace import trace_note
+
+        plan.notes.append(trace_note(config, plan))
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.table(args.recipe))
 
 
 def add_launch_verb(verbs: argparse._SubParsersAction) -> None:

@@ -17,6 +17,7 @@ the weight to the compute dtype and saves nothing for backward but the packed we
 
 import contextlib
 import types
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +25,15 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config import SFTConfig
 from sft.loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS, LinearCrossEntropy, supports_chunked_loss
 from sft.model import DTYPES
 from sft.quantization import compute_dtype
+
+if typing.TYPE_CHECKING:
+    from sft.plan import Plan
 
 QUANT_BLOCK = 64  # bitsandbytes' 4-bit block size: one absmax per 64 weights
 _NO_HOOK = types.SimpleNamespace(remove=lambda: None)
@@ -120,6 +125,7 @@ def build_model(config: SFTConfig, model_config: PretrainedConfig, device: str) 
     dtype = DTYPES.get(config.dtype, torch.bfloat16 if config.bf16 else torch.float32)
     if config.load_in_8bit:
         raise ValueError("memtrace cannot simulate 8-bit (LLM.int8) layers")
+    unset_hf_deepspeed_config()  # loading a ZeRO-3 recipe sets a global that would partition this model
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
         if config.load_in_4bit:
@@ -199,3 +205,18 @@ def trace_step(config: SFTConfig, model_config: PretrainedConfig, fake: bool = T
         snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_kind = {str(getattr(k, "value", k)): v for k, v in snapshot.items() if k != "Total"}
     return Trace(peak=snapshot["Total"], by_kind=by_kind)
+
+
+def trace_note(config: SFTConfig, plan: "Plan") -> str:
+    """One line comparing the planned training peak with the simulated step's (one GPU, nothing sharded)."""
+    from sft.architectures import model_architecture
+    from sft.plan import GIB
+
+    if plan.setup.preset not in ("single", "ddp"):
+        return "trace: skipped (the simulated step runs on one unsharded GPU; this recipe shards)"
+    if config.load_in_8bit:
+        return "trace: skipped (8-bit LLM.int8 layers cannot be simulated)"
+    traced = trace_step(config, model_architecture(config.model_name_or_path, config.revision)).peak / GIB
+    planned = plan.breakdown["training peak"] - (plan.breakdown["gradients"] if plan.setup.preset == "ddp" else 0)
+    return (f"trace: simulated step peak {traced:.2f} GiB (MemTracker, fake tensors) vs planned {planned:.2f} GiB "
+            f"({100 * (planned / traced - 1):+.1f}%)")

@@ -10,6 +10,7 @@ loss. Sharding divides what the `distributed` preset shards. Everything is check
 
 import copy
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -53,6 +54,8 @@ class Setup:
     """full, lora or qlora (4-bit base + LoRA)."""
     preset: str
     """single, ddp, fsdp, fsdp_offload, zero2, zero3 or zero3_offload."""
+    eval_batch: int = 1
+    """per_device_eval_batch_size (eval keeps full logits, which can outgrow training)."""
     num_gpus: int = 1
     """GPUs per node."""
     num_nodes: int = 1
@@ -112,6 +115,46 @@ class Plan:
     def fits(self) -> bool:
         return self.total_gib <= self.gpu.memory_gib
 
+    def as_dict(self) -> dict:
+        """The `sft plan --json` object."""
+        return {"fits": self.fits, "peak_gib": round(self.peak_gib, 3), "total_gib": round(self.total_gib, 3),
+                "gpu": self.gpu.name, "gpu_memory_gib": self.gpu.memory_gib, "num_gpus": self.setup.num_gpus,
+                "num_nodes": self.setup.num_nodes, "setup": dataclasses.asdict(self.setup),
+                "breakdown": {k: round(v, 3) for k, v in self.breakdown.items()},
+                "tokens_per_second": round(self.tokens_per_second, 1), "flops_per_token": self.flops_per_token,
+                "mfu": self.gpu.mfu, "steps": self.steps, "hours": self.hours,
+                "gpu_hours": self.hours * self.setup.world if self.hours is not None else None,
+                "overrides": self.overrides, "notes": self.notes}
+
+    def table(self, recipe: str) -> str:
+        """The readable report: setup, memory table, time, verdict."""
+        s = self.setup
+        where = f"{s.num_nodes} x {s.num_gpus}" if s.num_nodes > 1 else f"{s.num_gpus}"
+        lines = [f"sft plan: {recipe} on {where} x {self.gpu.name} ({self.gpu.memory_gib:g} GiB each)",
+                 f"setup: {s.method}, micro-batch {s.micro_batch} x {s.max_length} tokens, gradient accumulation "
+                 f"{s.grad_accum}, checkpointing {'on' if s.checkpointing else 'off'}, {s.preset}", "",
+                 f"{'per GPU':<28}{'GiB':>8}", "-" * 36]
+        lines += [f"{k:<28}{v:>8.2f}" for k, v in self.breakdown.items() if v or k == "activations"]
+        lines += ["-" * 36, f"{'peak allocated':<28}{self.peak_gib:>8.2f}",
+                  f"{'total with overhead':<28}{self.total_gib:>8.2f}", ""]
+        run = (f"{self.steps:,} steps, {self.hours:.1f} h, {self.hours * s.world:.1f} GPU-hours" if self.hours
+               else "steps unknown: the data is not local (set max_steps, or run where it is)")
+        lines += [f"time: {self.flops_per_token / 1e9:.1f} GFLOPs/token (6N + attention), "
+                  f"{self.tokens_per_second:,.0f} tokens/s, {run}"]
+        lines += [f"      {note}" for note in self.notes]
+        lines.append(self.verdict())
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        """FITS / DOES NOT FIT, with the overrides that make it fit."""
+        room = f"{self.total_gib:.1f} of {self.gpu.memory_gib:g} GiB"
+        if self.fits:
+            return f"verdict: FITS ({room})"
+        if not self.overrides:
+            return (f"verdict: DOES NOT FIT ({room}); no micro-batch, checkpointing, preset, offload or LoRA/QLoRA "
+                    "setting fits: use more GPUs (--num_gpus) or a shorter max_length")
+        return f"verdict: DOES NOT FIT ({room}); add: {' '.join(self.overrides)}"
+
 
 def setup_of(config: SFTConfig, num_gpus: int, num_nodes: int) -> Setup:
     """The plan-relevant settings of a loaded recipe."""
@@ -120,7 +163,7 @@ def setup_of(config: SFTConfig, num_gpus: int, num_nodes: int) -> Setup:
                  max_length=config.max_length, method=method, preset=preset_of(config, num_gpus * num_nodes),
                  checkpointing=bool(config.activation_checkpointing or config.gradient_checkpointing
                                     or fsdp_config_dict(config.fsdp_config).get("activation_checkpointing")),
-                 num_gpus=num_gpus, num_nodes=num_nodes)
+                 eval_batch=config.per_device_eval_batch_size, num_gpus=num_gpus, num_nodes=num_nodes)
 
 
 def preset_of(config: SFTConfig, world: int) -> str:
@@ -254,3 +297,154 @@ def train_peak(parts: dict[str, int], setup: Setup) -> int:
     acts = parts["activations"] + parts["lm head / loss"]
     grads = parts["gradients"]
     return static + (acts + grads if setup.grad_accum > 1 else max(acts, grads))
+
+
+def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup) -> int:
+    """Evaluation's transient (no gradients kept): full logits of an eval batch, plus the KV cache of generation."""
+    if config.eval_strategy == "no" and not config.do_eval:
+        return 0
+    batch = setup.eval_batch
+    logits = batch * setup.max_length * arch.vocab_size * 10  # bf16 logits, float32 copy, cross-entropy buffers
+    if not config.predict_with_generate:
+        return logits
+    new = config.max_new_tokens or config.generation_max_length or 128
+    kv_width = arch.num_key_value_heads * head_dim(arch)
+    return logits + 2 * arch.num_hidden_layers * kv_width * (setup.max_length + new) * batch * 2
+
+
+def flops_per_token(arch: PretrainedConfig, model: Model, setup: Setup) -> tuple[float, float]:
+    """(model FLOPs per token: 6N + causal attention, FLOPs the GPU actually runs: no frozen-weight gradients,
+    plus the forward again under checkpointing)."""
+    attention = 6 * arch.num_hidden_layers * setup.max_length * arch.num_attention_heads * head_dim(arch)
+    n = model.matmul_params
+    passes = (6 if setup.method == "full" else 4) + (2 if setup.checkpointing else 0)
+    return 6 * n + attention, passes * n + attention * (1 + (2 / 6 if setup.checkpointing else 0))
+
+
+def make_plan(config: SFTConfig, arch: PretrainedConfig, gpu: GPU, setup: Setup, model: Model) -> Plan:
+    """Memory, speed and verdict of one setup (the override search runs this for each candidate)."""
+    parts = memory_breakdown(config, arch, setup, model)
+    static = sum(parts[k] for k in ("weights", "gathered layers", "master weights (fp32)", "optimizer states"))
+    train = train_peak(parts, setup)
+    evaluation = eval_bytes(config, arch, setup)
+    peak = max(train, static + evaluation)
+    overhead = CUDA_CONTEXT_GIB * GIB + FRAGMENTATION * peak
+    breakdown = {k: v / GIB for k, v in parts.items()}
+    breakdown.update({"training peak": train / GIB, "eval / generation": evaluation / GIB,
+                      "framework overhead": overhead / GIB})
+    model_flops, run_flops = flops_per_token(arch, model, setup)
+    slowdown = 0.5 if setup.preset.endswith("offload") else 1.0  # optimizer steps on the CPU, over PCIe
+    speed = setup.world * gpu.bf16_tflops * 1e12 * gpu.mfu * slowdown / run_flops
+    return Plan(setup=setup, gpu=gpu, breakdown=breakdown, peak_gib=peak / GIB, total_gib=(peak + overhead) / GIB,
+                tokens_per_second=speed, flops_per_token=model_flops)
+
+
+def candidates(config: SFTConfig, setup: Setup) -> list[Setup]:
+    """Settings to try, each keeping the global batch: smaller micro-batches, checkpointing, presets, LoRA/QLoRA."""
+    micro, out = setup.micro_batch, []
+    micros = halvings(micro)
+    methods = METHODS[METHODS.index(setup.method):] if not config.load_in_8bit else ("qlora",)
+    presets = [setup.preset] + [p for p in ("zero2", "fsdp", "zero3", "fsdp_offload", "zero3_offload")
+                                if p != setup.preset and (setup.world > 1 or p.endswith("offload"))]
+    for method in methods:
+        for preset in presets:
+            if method == "qlora" and preset.startswith("zero3"):
+                continue  # refused by sft (ZeRO-3 cannot partition packed 4-bit weights)
+            for checkpointing in sorted({setup.checkpointing, True}):
+                for m, eval_batch in itertools.product(micros, halvings(setup.eval_batch)):
+                    out.append(dataclasses.replace(setup, micro_batch=m, grad_accum=setup.grad_accum * micro // m,
+                                                   checkpointing=checkpointing, method=method, preset=preset,
+                                                   eval_batch=eval_batch))
+    return out
+
+
+def halvings(batch: int) -> list[int]:
+    """batch, batch/2, ... down to 1 or an odd size (a smaller micro-batch must divide the old one)."""
+    out = [batch]
+    while out[-1] % 2 == 0:
+        out.append(out[-1] // 2)
+    return out
+
+
+def cost(plan: Plan, original: Setup) -> tuple:
+    """Cheapest first: keep the training method, avoid CPU offload, then the fastest, then bigger micro-batches."""
+    s = plan.setup
+    return (METHODS.index(s.method) - METHODS.index(original.method), s.preset.endswith("offload"),
+            round(1 / plan.tokens_per_second, 9), -s.micro_batch, -s.eval_batch)
+
+
+def override_flags(original: Setup, new: Setup) -> list[str]:
+    """The `--flag value` overrides that turn `original` into `new`."""
+    flags = []
+    if new.micro_batch != original.micro_batch:
+        flags += [f"--per_device_train_batch_size {new.micro_batch}", f"--gradient_accumulation_steps {new.grad_accum}"]
+    if new.eval_batch != original.eval_batch:
+        flags.append(f"--per_device_eval_batch_size {new.eval_batch}")
+    if new.checkpointing and not original.checkpointing:
+        flags.append("--activation_checkpointing true")
+    if new.preset != original.preset:
+        flags.append(f"--distributed {new.preset}")
+    if new.method != original.method:
+        flags.append("--use_peft true")
+    if new.method == "qlora" and original.method != "qlora":
+        flags.append("--load_in_4bit true")
+    return flags
+
+
+def plan_recipe(config: SFTConfig, gpu: GPU, num_gpus: int = 1, num_nodes: int = 1,
+                arch: PretrainedConfig | None = None) -> Plan:
+    """The plan of a loaded recipe on `num_nodes` x `num_gpus` GPUs of kind `gpu`, with overrides if it does not fit."""
+    from sft.architectures import model_architecture
+    from sft.errors import SFTError
+
+    if num_gpus < 1 or num_nodes < 1:
+        raise SFTError("--num_gpus and --num_nodes must be at least 1.")
+    arch = arch or model_architecture(config.model_name_or_path, config.revision)
+    if arch.is_encoder_decoder or not hasattr(arch, "intermediate_size"):
+        raise SFTError(f"sft plan models decoder-only transformers (Llama, Mistral, Qwen, ...); {arch.model_type} "
+                       "is not modelled yet. Use `sft check` to validate the recipe.")
+    setup = setup_of(config, num_gpus, num_nodes)
+    models = {setup.method: model_facts(config, arch, setup.method)}
+    plan = make_plan(config, arch, gpu, setup, models[setup.method])
+    plan.steps, plan.hours = run_length(config, setup, plan.tokens_per_second)
+    plan.notes = [f"model {config.model_name_or_path}: {arch.model_type}, {arch.num_hidden_layers} layers, "
+                  f"hidden {arch.hidden_size}, vocabulary {arch.vocab_size}",
+                  f"{gpu.name}: {gpu.bf16_tflops:g} dense bf16 TFLOP/s at an assumed {gpu.mfu:.0%} utilisation"]
+    if not plan.fits:
+        plan.overrides = search(config, arch, gpu, setup, models)
+    return plan
+
+
+def search(config: SFTConfig, arch: PretrainedConfig, gpu: GPU, setup: Setup, models: dict[str, Model]) -> list[str]:
+    """The overrides of the cheapest candidate setup that fits; empty when none does."""
+    fitting = []
+    for candidate in candidates(config, setup):
+        if candidate.method not in models:
+            models[candidate.method] = model_facts(config, arch, candidate.method)
+        plan = make_plan(config, arch, gpu, candidate, models[candidate.method])
+        if plan.fits:
+            fitting.append(plan)
+    if not fitting:
+        return []
+    return override_flags(setup, min(fitting, key=lambda p: cost(p, setup)).setup)
+
+
+def run_length(config: SFTConfig, setup: Setup, tokens_per_second: float) -> tuple[int | None, float | None]:
+    """(optimizer steps, hours): from max_steps, else from the data's own statistics when it is local."""
+    from pathlib import Path
+
+    from sft.sources import parse_sources
+
+    rows_per_step = setup.global_batch
+    if config.max_steps and config.max_steps > 0:
+        steps = config.max_steps
+        return steps, steps * rows_per_step * setup.max_length / tokens_per_second / 3600
+    if not all(Path(s.path).exists() for s in parse_sources(config.dataset)):
+        return None, None
+    from sft.datainfo import describe_data
+
+    stats, _ = describe_data(config)
+    rows = stats.packed_rows or stats.rows
+    tokens = rows * setup.max_length if stats.packed_rows else stats.tokens
+    steps = math.ceil(rows / rows_per_step) * math.ceil(config.num_train_epochs)
+    return steps, tokens * config.num_train_epochs / tokens_per_second / 3600
