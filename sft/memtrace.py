@@ -65,11 +65,12 @@ class Trace:
 
 
 def quantized_bytes(numel: int, double_quant: bool) -> int:
-    """Bytes bitsandbytes keeps for a 4-bit weight of `numel` elements: packed nibbles plus quantization constants."""
+    """Bytes bitsandbytes keeps for a 4-bit weight of `numel` elements: packed nibbles, one absmax per block (uint8
+    under double quantization, with float32 constants per 256 blocks and its 256-entry code), the 16-value code."""
     blocks = -(-numel // QUANT_BLOCK)
     if not double_quant:
-        return numel // 2 + 4 * blocks
-    return numel // 2 + blocks + 4 * -(-blocks // DOUBLE_QUANT_BLOCK) + 256 * 4  # + the nested code table
+        return numel // 2 + 4 * blocks + 4 * 16
+    return numel // 2 + blocks + 4 * 16 + 4 * -(-blocks // DOUBLE_QUANT_BLOCK) + 4 * 256
 
 
 class _MatMul4bit(torch.autograd.Function):
@@ -176,35 +177,55 @@ def loss_of(model: nn.Module, config: SFTConfig, ids: torch.Tensor) -> torch.Ten
     return LinearCrossEntropy.apply(picked, weight, ids[:, 1:].reshape(-1), torch.tensor(float(ids.numel())), chunk)
 
 
-def trace_step(config: SFTConfig, model_config: PretrainedConfig, fake: bool = True) -> Trace:
-    """Peak memory of two optimizer steps of the recipe's training on one device (fake tensors unless `fake`)."""
+def trace_step(config: SFTConfig, model_config: PretrainedConfig, fake: bool = True, evaluate: bool = False) -> Trace:
+    """Peak memory of two optimizer steps of the recipe's training on one device (fake tensors unless `fake`), or
+    with `evaluate` of one eval batch (no optimizer)."""
     torch.manual_seed(0)
     model = build_model(config, model_config, "meta" if fake else "cpu")
     with FakeTensorMode() if fake else contextlib.nullcontext():
         if fake:
             materialize(model)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
-        shape = (config.per_device_train_batch_size, config.max_length)
-        micro_batches = min(config.gradient_accumulation_steps, 2)
         tracker = PeakTracker()
         tracker.track_external(model, optimizer)
         for param in model.parameters():
             if not param.requires_grad:  # MemTracker hooks every parameter's gradient, which frozen ones refuse
                 tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(config.bf16))
         with tracker:
-            for _ in range(2):
-                for _ in range(micro_batches):
-                    tracker.reset_mod_stats()  # per-module stats allow one forward each; the peak is kept
-                    ids = torch.randint(0, model_config.vocab_size, shape)
-                    with autocast:
-                        loss = loss_of(model, config, ids)
-                    loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            if evaluate:
+                eval_step(model, config, model_config.vocab_size, "cpu")
+            else:
+                train_steps(model, optimizer, config, model_config.vocab_size, "cpu", tracker.reset_mod_stats)
         snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_kind = {str(getattr(k, "value", k)): v for k, v in snapshot.items() if k != "Total"}
     return Trace(peak=snapshot["Total"], by_kind=by_kind)
+
+
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, config: SFTConfig, vocab_size: int, device: str,
+                before_forward: typing.Callable[[], None] = lambda: None) -> None:
+    """Two optimizer steps of `gradient_accumulation_steps` (at most 2) micro-batches of random tokens."""
+    shape = (config.per_device_train_batch_size, config.max_length)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16))
+    for _ in range(2):
+        for _ in range(min(config.gradient_accumulation_steps, 2)):
+            before_forward()  # MemTracker's per-module stats allow one forward each; the peak is kept
+            ids = torch.randint(0, vocab_size, shape, device=device)
+            with autocast:
+                loss = loss_of(model, config, ids)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def eval_step(model: nn.Module, config: SFTConfig, vocab_size: int, device: str) -> None:
+    """One eval batch as SFTTrainer evaluates: the model's own loss over full logits, then the token sum again."""
+    from sft.loss import reference_causal_loss
+
+    model.eval()
+    ids = torch.randint(0, vocab_size, (config.per_device_eval_batch_size, config.max_length), device=device)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16)):
+        outputs = model(input_ids=ids, labels=ids, use_cache=False)
+        reference_causal_loss(outputs.logits.float(), ids, 1)  # SFTMixin._add_eval_tokens
 
 
 def trace_note(config: SFTConfig, plan: "Plan") -> str:

@@ -32,6 +32,7 @@ LAYER_BYTES = {"full": (16.0, 8.0, 8.0), "lora": (40.4, 14.2, 13.0), "qlora": (3
 # Gradient temporaries of the MLP (bytes per token per MLP width) while a recomputed LoRA layer runs backward.
 BACKWARD_I_BYTES = 11
 METHODS = ("full", "lora", "qlora")
+EVAL_LOGIT_BYTES = 14  # bytes per eval logit at the peak (MemTracker of sft's eval step; tests/test_plan.py)
 CUDA_CONTEXT_GIB = 0.6  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
 FRAGMENTATION = 0.08  # caching-allocator slack over the allocated peak (typical reserved/allocated on LLM training)
 DDP_BUCKETS = 2 * 25 * 2 ** 20  # DDP's gradient buckets (25 MB, two in flight)
@@ -304,7 +305,8 @@ def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup) -> int:
     if config.eval_strategy == "no" and not config.do_eval:
         return 0
     batch = setup.eval_batch
-    logits = batch * setup.max_length * arch.vocab_size * 10  # bf16 logits, float32 copy, cross-entropy buffers
+    # bf16 logits, the loss's float32 copy and log-softmax, then SFTMixin's token-sum pass over another float32 copy
+    logits = batch * setup.max_length * arch.vocab_size * EVAL_LOGIT_BYTES
     if not config.predict_with_generate:
         return logits
     new = config.max_new_tokens or config.generation_max_length or 128
