@@ -270,7 +270,7 @@ def memory_breakdown(config: SFTConfig, arch: PretrainedConfig, setup: Setup, mo
     n, preset = shards(setup), setup.preset
     sharded = preset.startswith(("fsdp", "zero"))
     mixed = sharded and (config.bf16 or config.fp16)  # fp32 master weights under FSDP2 / DeepSpeed mixed precision
-    state_bytes = OPTIMIZER_STATE_BYTES.get(str(config.optim).split(".")[-1].lower(),
+    state_bytes = OPTIMIZER_STATE_BYTES.get(str(getattr(config.optim, "value", config.optim)),
                                             8 if mixed else 2 * model.trainable_bytes / max(model.trainable, 1))
     frozen = model.weight_bytes - model.trainable_bytes
     if preset in ("fsdp", "fsdp_offload"):  # accelerate's FSDP2 upcasts trainable weights: they are the master

@@ -163,6 +163,10 @@ SWEEP = [  # model, method, micro-batch, max_length, checkpointing, gradient acc
     ("meta-llama/Llama-3.1-8B", "lora", 4, 1024, True, 1),
     ("meta-llama/Llama-3.1-8B", "qlora", 2, 512, False, 1),
     ("mistralai/Mistral-7B-v0.1", "full", 2, 2048, True, 1),
+    ("mistralai/Mistral-7B-v0.1", "lora", 1, 8192, True, 1),
+    ("meta-llama/Llama-3.2-1B", "lora", 8, 1024, False, 1),
+    ("Qwen/Qwen2.5-0.5B", "qlora", 4, 2048, True, 1),
+    ("meta-llama/Llama-3.1-8B", "full", 1, 512, False, 2),
 ]
 
 
