@@ -31,6 +31,7 @@ GIB = 2 ** 30
 LAYER_BYTES = {"full": (16.0, 8.0, 8.0), "lora": (40.4, 14.2, 13.0), "qlora": (38.4, 14.2, 12.2)}
 # Gradient temporaries of the MLP (bytes per token per MLP width) while a recomputed LoRA layer runs backward.
 BACKWARD_I_BYTES = 11
+EAGER_SCORE_BYTES = 6  # per attention score per head, eager attention only (sdpa/flash keep no T x T tensor)
 METHODS = ("full", "lora", "qlora")
 EVAL_LOGIT_BYTES = 14  # bytes per eval logit at the peak (MemTracker of sft's eval step; tests/test_plan.py)
 CUDA_CONTEXT_GIB = 0.6  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
@@ -232,6 +233,8 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
     h, q, i = arch.hidden_size, arch.num_attention_heads * head_dim(arch), arch.intermediate_size
     ch, cq, ci = LAYER_BYTES[setup.method]
     layer = int(tokens * (ch * h + cq * q + ci * i) * scale)
+    if config.attn_implementation == "eager":  # eager keeps each head's T x T probabilities: float32 and bf16 copy
+        layer += tokens * setup.max_length * arch.num_attention_heads * EAGER_SCORE_BYTES * scale
     residual = 4 if setup.method == "qlora" else 2 * scale  # k-bit preparation keeps the residual in float32
     saved = arch.num_hidden_layers * (tokens * residual * h if setup.checkpointing else layer)
     head = head_bytes(config, arch, setup, tokens, head_trainable)

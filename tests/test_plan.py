@@ -49,11 +49,13 @@ def small_arch(model: str = "meta-llama/Llama-3.2-1B", layers: int = 2, **sizes)
     return arch
 
 
-@pytest.mark.parametrize("method,micro,length,checkpointing", [
-    ("full", 2, 1024, False), ("lora", 2, 1024, True), ("qlora", 1, 2048, False)])
-def test_planner_matches_fake_tensor_step_on_a_shallow_llama(method, micro, length, checkpointing):
+@pytest.mark.parametrize("method,micro,length,checkpointing,attention", [
+    ("full", 2, 1024, False, "sdpa"), ("lora", 2, 1024, True, "sdpa"), ("qlora", 1, 2048, False, "sdpa"),
+    ("lora", 1, 1024, False, "eager")])
+def test_planner_matches_fake_tensor_step_on_a_shallow_llama(method, micro, length, checkpointing, attention):
     arch = small_arch(layers=2)
-    planned, traced = planned_and_traced(recipe("meta-llama/Llama-3.2-1B", method, micro, length, checkpointing), arch)
+    values = recipe("meta-llama/Llama-3.2-1B", method, micro, length, checkpointing, attn_implementation=attention)
+    planned, traced = planned_and_traced(values, arch)
     assert abs(planned / traced - 1) < 0.10, (planned / 2 ** 30, traced / 2 ** 30)
 
 
