@@ -6,7 +6,6 @@ The GPU count comes from the header's "Hardware: Nx..." line (1 when it names no
 GPU kind, so H100-80GB is used.
 """
 
-import re
 import sys
 from pathlib import Path
 
@@ -23,10 +22,11 @@ def memory_line(plan: Plan, old: str) -> list[str]:
     """The header's Memory value, wrapped as header continuation lines; a hand-written CPU note is kept."""
     s, b = plan.setup, plan.breakdown
     cpu = old.split(CPU, 1)[1] if CPU in old else "" if old.startswith("~") else old
+    checkpointing = "on" if s.checkpointing else "off"
     text = (f"~{plan.total_gib:.1f} GiB per GPU (sft plan: {plan.peak_gib:.1f} GiB allocated at the peak, training "
             f"{b['training peak']:.1f} / eval {b['eval / generation']:.1f}, + CUDA context and fragmentation) at "
-            f"max_length {s.max_length}, micro-batch {s.micro_batch}, checkpointing {'on' if s.checkpointing else 'off'}"
-            f", {s.method}, {s.preset}{f' x{s.world}' if s.world > 1 else ''}." + (f"{CPU}{cpu}" if cpu else ""))
+            f"max_length {s.max_length}, micro-batch {s.micro_batch}, checkpointing {checkpointing}, {s.method}, "
+            f"{s.preset}{f' x{s.world}' if s.world > 1 else ''}." + (f"{CPU}{cpu}" if cpu else ""))
     words, lines, current = text.split(), [], "# Memory:"
     for word in words:
         if len(current) + 1 + len(word) > 116:
@@ -39,9 +39,8 @@ def memory_line(plan: Plan, old: str) -> list[str]:
 def rewrite(path: Path) -> bool:
     """Replace the Memory line (and its continuation lines) of one recipe; False if the planner cannot model it."""
     info = read_header(path, path.parent)
-    match = re.match(r"(\d+)x", info.fields.get("Hardware", ""))
     try:
-        plan = plan_recipe(load_recipe(path), find_gpu("H100-80GB"), int(match.group(1)) if match else 1)
+        plan = plan_recipe(load_recipe(path), find_gpu("H100-80GB"), info.num_gpus)
     except SFTError as err:
         print(f"{path}: skipped ({err})")
         return False

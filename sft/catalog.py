@@ -1,5 +1,6 @@
 """The recipe catalog, read from the recipe files' own header comments (no hand-kept registry)."""
 
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,12 @@ class RecipeInfo:
     path: Path
     description: str
     fields: dict[str, str]
+
+    @property
+    def num_gpus(self) -> int:
+        """The GPU count the header's Hardware line starts with ("8x80 GB ..."); 1 when it names none."""
+        match = re.match(r"(\d+)x", self.fields.get("Hardware", ""))
+        return int(match.group(1)) if match else 1
 
     @property
     def launch_argv(self) -> list[str]:

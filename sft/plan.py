@@ -55,7 +55,7 @@ class Setup:
     method: str
     """full, lora or qlora (4-bit base + LoRA)."""
     preset: str
-    """single, ddp, fsdp, fsdp_offload, zero2, zero3 or zero3_offload."""
+    """single, ddp, fsdp, fsdp_hybrid (sharded within a node), fsdp_offload, zero2, zero3 or zero3_offload."""
     eval_batch: int = 1
     """per_device_eval_batch_size (eval keeps full logits, which can outgrow training)."""
     num_gpus: int = 1
@@ -171,7 +171,9 @@ def setup_of(config: SFTConfig, num_gpus: int, num_nodes: int) -> Setup:
 def preset_of(config: SFTConfig, world: int) -> str:
     """The sharding scheme the recipe runs with on `world` GPUs."""
     if config.fsdp:
-        return "fsdp_offload" if fsdp_config_dict(config.fsdp_config).get("cpu_offload") else "fsdp"
+        fsdp = fsdp_config_dict(config.fsdp_config)
+        hybrid = "hybrid" in f"{config.fsdp} {fsdp.get('sharding_strategy', '')}".lower()
+        return "fsdp_offload" if fsdp.get("cpu_offload") else "fsdp_hybrid" if hybrid else "fsdp"
     stage = zero_stage(config.deepspeed)
     if stage:
         offload = config.distributed == "zero3_offload" or "offload" in str(config.deepspeed)
@@ -265,7 +267,7 @@ def head_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: 
 
 def shards(setup: Setup) -> int:
     """How many GPUs share one copy of what the preset shards (hybrid FSDP shards within a node)."""
-    return setup.world if setup.preset != "ddp" else 1
+    return 1 if setup.preset == "ddp" else setup.num_gpus if setup.preset == "fsdp_hybrid" else setup.world
 
 
 def memory_breakdown(config: SFTConfig, arch: PretrainedConfig, setup: Setup, model: Model) -> dict[str, int]:
@@ -276,7 +278,7 @@ def memory_breakdown(config: SFTConfig, arch: PretrainedConfig, setup: Setup, mo
     state_bytes = OPTIMIZER_STATE_BYTES.get(str(getattr(config.optim, "value", config.optim)),
                                             8 if mixed else 2 * model.trainable_bytes / max(model.trainable, 1))
     frozen = model.weight_bytes - model.trainable_bytes
-    if preset in ("fsdp", "fsdp_offload"):  # accelerate's FSDP2 upcasts trainable weights: they are the master
+    if preset.startswith("fsdp"):  # accelerate's FSDP2 upcasts trainable weights: they are the master
         weights = (frozen + 4 * model.trainable if mixed else model.weight_bytes) / n
         master, grads = 0, (4 if mixed else 2) * model.trainable / n
     else:
