@@ -230,3 +230,14 @@ def test_hybrid_fsdp_shards_within_a_node_only():
     hybrid = planner.plan_recipe(config, find_gpu("H100-80GB"), 8, 2)
     assert hybrid.setup.preset == "fsdp_hybrid"
     assert hybrid.breakdown["optimizer states"] == pytest.approx(2 * full.breakdown["optimizer states"])
+
+
+def test_steps_and_hours_come_from_the_local_data():
+    path = REPO / "recipes" / "quickstart.yaml"
+    one, two = (planner.plan_recipe(load_recipe(path, flags=["--gradient_accumulation_steps", str(ga)]),
+                                    find_gpu("A100-80GB")) for ga in (1, 2))
+    epochs = load_recipe(path).num_train_epochs
+    assert one.hours > 0 and two.steps == pytest.approx(one.steps / 2, abs=epochs)  # ceil per epoch
+    assert one.hours == pytest.approx(two.hours)  # the same tokens at the same speed
+    capped = planner.plan_recipe(load_recipe(path, flags=["--max_steps", "7"]), find_gpu("A100-80GB"))
+    assert capped.steps == 7
