@@ -280,14 +280,14 @@ def memory_breakdown(config: SFTConfig, arch: PretrainedConfig, setup: Setup, mo
     frozen = model.weight_bytes - model.trainable_bytes
     if preset.startswith("fsdp"):  # accelerate's FSDP2 upcasts trainable weights: they are the master
         weights = (frozen + 4 * model.trainable if mixed else model.weight_bytes) / n
-        master, grads = 0, (4 if mixed else 2) * model.trainable / n
+        master, grads = 0, (4 * model.trainable if mixed else model.trainable_bytes) / n
     else:
         weights = model.weight_bytes / (n if preset.startswith("zero3") else 1)
         master = 4 * model.trainable / n if mixed else 0
         grads = model.trainable_bytes / (n if sharded else 1)
     gathered = 2 * model.layer_bytes if preset.startswith(("fsdp", "zero3")) else 0  # current + prefetched layer
-    if preset.endswith("offload"):
-        weights, master = (0 if preset == "zero3_offload" else weights), 0
+    if preset.endswith("offload"):  # sharded parameters (and FSDP's gradients) live in CPU memory between uses
+        weights, master = 0, 0
         grads = grads if preset.startswith("zero") else 0
     optimizer = 0 if preset.endswith("offload") else state_bytes * model.trainable / (n if sharded else 1)
     head_trainable = setup.method == "full" or "lm_head" in (config.lora_modules_to_save or [])

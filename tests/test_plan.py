@@ -1,6 +1,7 @@
 """`sft plan`: the planner's memory formulas against torch's MemTracker (fake tensors for real architectures,
 real tensors on CPU, torch.cuda on a GPU), the CLI contract, the override search, and the recipe headers."""
 
+import dataclasses
 import json
 import re
 import shlex
@@ -166,7 +167,6 @@ SWEEP = [  # model, method, micro-batch, max_length, checkpointing, gradient acc
     ("mistralai/Mistral-7B-v0.1", "full", 2, 2048, True, 1),
     ("mistralai/Mistral-7B-v0.1", "lora", 1, 8192, True, 1),
     ("meta-llama/Llama-3.2-1B", "lora", 8, 1024, False, 1),
-    ("Qwen/Qwen2.5-0.5B", "qlora", 4, 2048, True, 1),
     ("meta-llama/Llama-3.1-8B", "full", 1, 512, False, 2),
 ]
 
@@ -241,3 +241,18 @@ def test_steps_and_hours_come_from_the_local_data():
     assert one.hours == pytest.approx(two.hours)  # the same tokens at the same speed
     capped = planner.plan_recipe(load_recipe(path, flags=["--max_steps", "7"]), find_gpu("A100-80GB"))
     assert capped.steps == 7
+
+
+def test_presets_shard_and_offload_what_they_should():
+    config = load_recipe(REPO / "recipes" / "llama-3.1-8b-instruct" / "full-fsdp.yaml")
+    arch = known_config(config.model_name_or_path)
+    setup = planner.setup_of(config, 8, 1)
+    model = planner.model_facts(config, arch, setup.method)
+    parts = {preset: planner.memory_breakdown(config, arch, dataclasses.replace(setup, preset=preset), model)
+             for preset in ("ddp", "zero2", "zero3", "fsdp", "zero3_offload", "fsdp_offload")}
+    assert parts["ddp"]["weights"] == parts["zero2"]["weights"] == 8 * parts["zero3"]["weights"]
+    assert parts["zero2"]["optimizer states"] == parts["zero3"]["optimizer states"] == parts["fsdp"]["optimizer states"]
+    assert parts["zero2"]["master weights (fp32)"] > 0 and parts["ddp"]["master weights (fp32)"] == 0
+    for offload in ("zero3_offload", "fsdp_offload"):
+        assert parts[offload]["weights"] == parts[offload]["optimizer states"] == 0
+        assert parts[offload]["gathered layers"] > 0
