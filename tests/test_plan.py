@@ -217,8 +217,8 @@ def test_planner_within_10_percent_of_cuda_max_memory_allocated(method, checkpoi
 def test_eval_logits_match_the_traced_eval_step():
     """Evaluation keeps full logits (no chunked loss), which can outgrow the training step."""
     arch = small_arch(layers=2)
-    config = load_recipe({**recipe("meta-llama/Llama-3.2-1B", "full", 1, 1024, False), "per_device_eval_batch_size": 2,
-                          "eval_strategy": "steps"})
+    config = load_recipe({**recipe("meta-llama/Llama-3.2-1B", "full", 1, 1024, False), "eval_strategy": "steps",
+                          "per_device_eval_batch_size": 2, "eval_split_size": 0.1})
     setup = planner.setup_of(config, 1, 1)
     weights = planner.model_facts(config, arch, "full").weight_bytes
     planned = weights + planner.eval_bytes(config, arch, setup)
