@@ -1,16 +1,20 @@
-"""Chat rows -> Rendered: the chat template's text plus the character spans of the assistant turns to train.
+"""Chat rows -> Rendered examples: the chat template's text plus the character spans of the assistant turns to train.
 
-Formats: OpenAI-style `messages` (role/content, tool_calls, tool_call_id; an optional `tools` column),
-ShareGPT `conversations` (from/value), and conversational prompt/completion (`prompt` and `completion` are message
-lists; only completion turns are trained). A message with `train: false` (or `weight: 0`) is context, not target.
+Formats: OpenAI-style `messages` (role/content, tool_calls, tool_call_id, reasoning_content / thinking; an optional
+`tools` column), ShareGPT `conversations` (from/value), and conversational prompt/completion (`prompt` and
+`completion` are message lists; only completion turns are trained). A message with `train: false` (or `weight: 0`)
+is context, not target.
 
-Assistant spans come from the rendering itself, so they work for any template, with or without {% generation %}:
-for assistant message i, messages[:i] is rendered with add_generation_prompt=True; where that is a prefix of the
-full text (the usual case) the answer starts right after it. The assistant content is then found by a forward
-search from there (or, for templates that reorder earlier text, from the longest common prefix and the previous
-message), and the span runs from its first non-space character through the end-of-turn token that directly
-follows it (<|im_end|>, <|eot_id|>, </s>, <|end|>, ...): not the newline or header after it. A turn the template
-rewrites or drops raises SFTError naming the row, instead of training a wrong mask.
+The rule, for every template: a trained assistant turn i is exactly what the model must generate after the
+generation prompt. Its text is the rendering F of messages[:i+1]; it starts where P = render(messages[:i],
+add_generation_prompt=True) ends (where P is not a prefix of F, where the two first differ) and runs through the
+first stop token after that (sft.chat_templates.stop_tokens: the tokenizer's EOS and the generation config's EOS
+list). Role headers inside P are context; think blocks, channel headers and tool-call markup after it are trained.
+When F ends the turn without a stop token (GLM ends turns with the next role tag), the stop token the template
+writes when the conversation goes on is appended. Where the turn renders the same inside the whole conversation,
+it is trained there; otherwise (the template renders history differently) the `history` policy decides: split
+(the turn becomes its own example, F), last (only the final turn is trained) or error. A turn whose content,
+reasoning or tool calls the template does not render raises SFTError naming the row.
 """
 
 import difflib
@@ -22,8 +26,9 @@ from typing import Any
 
 import jinja2
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from sft.chat_templates import PRESETS, preset_end_of_turn, resolve_chat_template
+from sft.chat_templates import PRESETS, REPLY_MARK, resolve_chat_template, stop_tokens
 from sft.errors import SFTError
 from sft.formats import Rendered
 
@@ -32,10 +37,10 @@ SHAREGPT_ROLES = {
     "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
     "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool",
 }
-# End-of-turn tokens of common templates, recognised even where a tokenizer does not register them as added tokens.
-KNOWN_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>",
-                     "<|endoftext|>", "<|end_of_text|>", "<|END_OF_TURN_TOKEN|>")
 NO_ASSISTANT_TURN = ("error", "drop")
+HISTORY = ("split", "last", "error")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names reasoning traces come under
+THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written inside the content
 # What rendering odd data can raise: raise_exception / undefined names (jinja2), str + None, a missing index, ...
 TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
@@ -56,19 +61,32 @@ class _Row:
 
 @dataclass
 class _Message:
-    """A normalised message: what the template sees, whether it is trained, and its name in the row."""
+    """A normalised message: what the template sees, whether it is trained, its name in the row, and the answer
+    and reasoning text that must appear in what the template renders for it."""
 
     data: dict
     trained: bool
     label: str
+    answer: str = ""
+    reasoning: str = ""
 
     @property
     def role(self) -> str:
         return self.data["role"]
 
 
+@dataclass
+class _Turn:
+    """One assistant turn as its own rendering: text, trained [start, end) and the kinds of its pieces."""
+
+    text: str
+    start: int
+    end: int
+    kinds: list[tuple[int, int, str]]
+
+
 class ChatRenderer:
-    """Renders chat rows with a chat template and marks the assistant turns (plus end-of-turn) to train.
+    """Renders chat rows with a chat template and marks what the model generates in each assistant turn.
 
     Args:
         tokenizer: supplies the template (when chat_template is None), bos/eos and the special tokens.
@@ -76,49 +94,140 @@ class ChatRenderer:
         assistant_only_loss: train the assistant turns only; when false the whole text is trained, minus the
             assistant turns excluded below.
         train_on_last_turn_only: only the last assistant message is trained; earlier answers are context.
-        no_assistant_turn: "error" or "drop" (render_row returns None) for a row without an assistant message.
+        no_assistant_turn: "error" or "drop" (render_row returns []) for a row without an assistant message.
+        history: split, last or error, for turns the template renders differently once later turns follow.
+        generation_eos: the model generation config's eos_token_id (an id or a list): more tokens that end turns.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None,
                  assistant_only_loss: bool = True, train_on_last_turn_only: bool = False,
-                 no_assistant_turn: str = "error") -> None:
+                 no_assistant_turn: str = "error", history: str = "split",
+                 generation_eos: int | list[int] | None = None) -> None:
         if no_assistant_turn not in NO_ASSISTANT_TURN:
             raise SFTError(f"no_assistant_turn: {no_assistant_turn!r} is not one of {', '.join(NO_ASSISTANT_TURN)}.")
+        if history not in HISTORY:
+            raise SFTError(f"history: {history!r} is not one of {', '.join(HISTORY)}.")
         self.tokenizer = tokenizer
         self.template = resolve_chat_template(chat_template, tokenizer)
         self.assistant_only_loss = assistant_only_loss
         self.train_on_last_turn_only = train_on_last_turn_only
         self.no_assistant_turn = no_assistant_turn
-        if chat_template in PRESETS:  # the preset knows its end-of-turn token; accept nothing else
-            markers = [preset_end_of_turn(chat_template, tokenizer)]
-            self._turn_end = _alternation(markers)
+        self.history = history
+        self._compiled = _compile_jinja_template(self.template)
+        self._variables = dict(tokenizer.special_tokens_map)
+        if chat_template in PRESETS:
             _warn_split_tokens(tokenizer, chat_template)
-        else:
-            markers = sorted({*KNOWN_END_OF_TURN, *(t.content for t in tokenizer.added_tokens_decoder.values()),
-                              *tokenizer.all_special_tokens})
-            self._turn_end = _alternation([*KNOWN_END_OF_TURN, tokenizer.eos_token or "</s>", *self._probe_end()])
-        self._after_content = _alternation(markers)
+        self.stops = stop_tokens(tokenizer, self.template, generation_eos)
+        self._stop = _alternation(self.stops)
+        self._parts = self._needs_text_parts()
+        self._reads_reasoning = any(f in self.template for f in REASONING_FIELDS)
 
-    def render_row(self, row: dict, where: str, row_number: int) -> Rendered | None:
-        """The row's text and trained spans; None when it has no assistant turn and no_assistant_turn is drop."""
+    def render_row(self, row: dict, where: str, row_number: int) -> list[Rendered]:
+        """The row's examples: usually one; one per trained turn the template renders differently in history
+        (history: split); none when the row has no assistant turn and no_assistant_turn is drop."""
         ctx = _Row(where, row_number)
         messages, tools = self._conversation(row, ctx)
         if not any(m.role == "assistant" for m in messages):
             if self.no_assistant_turn == "drop":
-                return None
+                return []
             raise ctx.error("the conversation has no assistant message, so nothing would be trained",
                             "Add the assistant's answer, remove the row, or set `no_assistant_turn: drop`.")
         text = self._render([m.data for m in messages], tools, False, ctx)
         trained = self._trained_turns(messages)
+        if not self.assistant_only_loss:
+            return [self._whole_text(messages, tools, text, trained, ctx)]
+        turns = {i: self._turn(messages, tools, i, text, ctx) for i in sorted(trained)}
+        return self._examples(messages, turns, text, ctx)
+
+    def _examples(self, messages: list[_Message], turns: dict[int, _Turn], text: str, ctx: _Row) -> list[Rendered]:
+        """Turns that render inside the whole conversation share one example; the others follow `history`."""
+        if turns and turns[max(turns)].text.startswith(text):
+            text = turns[max(turns)].text  # the final turn, completed with the stop token the template omits
+        inside = {i: t for i, t in turns.items() if text.startswith(t.text[:t.end])}
+        outside = [i for i in turns if i not in inside]
+        if outside and self.history == "error":
+            raise ctx.error("the chat template renders this assistant turn differently once later messages follow "
+                            "it, so it would be trained in a context the model never sees (history: error)",
+                            "Set `history: split` (one example per turn) or `history: last`.",
+                            messages[outside[0]].label)
+        if outside and self.history == "last":
+            inside, outside = {max(turns): turns[max(turns)]}, []
+            text = turns[max(turns)].text
+        examples = [_example(text, list(inside.values()))] if inside else []
+        examples += [_example(turns[i].text, [turns[i]]) for i in outside]
+        for extra in examples[1:]:
+            extra.split = True
+        return examples
+
+    def _turn(self, messages: list[_Message], tools: list[dict] | None, i: int, text: str, ctx: _Row) -> _Turn:
+        """Assistant turn i rendered as the last message: what the model generates after the generation prompt."""
+        data = [m.data for m in messages]
+        prompt = self._render(data[:i], tools, True, ctx)
+        final = text if i == len(messages) - 1 else self._render(data[:i + 1], tools, False, ctx)
+        start = self._start(prompt, final, messages, i, ctx)
+        stop = self._stop.search(final, start)
+        if stop is None:
+            final = self._with_stop(data, tools, i, final, ctx)
+            stop = self._stop.search(final, start)
+        if stop is None:
+            raise ctx.error(f"no stop token ({', '.join(self.stops) or 'none known'}) ends this assistant turn in the "
+                            "rendered text, so the model would never learn to stop", "Use a chat_template that ends "
+                            "assistant turns with the tokenizer's EOS, or give the model's generation_config.json "
+                            "its eos_token_id list.", messages[i].label)
+        self._check_rendered(final[start:stop.start()], messages[i], ctx)
+        return _Turn(final, start, stop.end(), _kinds(final, start, stop.start(), stop.end(), messages[i]))
+
+    def _start(self, prompt: str, final: str, messages: list[_Message], i: int, ctx: _Row) -> int:
+        """Where the generated text starts: the end of the generation prompt, or where prompt and turn differ."""
+        if final.startswith(prompt):
+            return len(prompt)
+        start = _common_prefix(prompt, final)  # DeepSeek-R1 / Nemotron-3: the prompt opens a think block
+        previous = messages[i - 1].data.get("content") if i else None
+        if isinstance(previous, str) and previous.strip() and previous.strip() in prompt[start:]:
+            raise ctx.error("the chat template renders the conversation before this assistant turn differently "
+                            "once the turn is added, so where the answer starts is unknown",
+                            "Use a chat_template whose generation prompt is a prefix of the rendered turn "
+                            "(e.g. a preset), or set `assistant_only_loss: false`.", messages[i].label)
+        return start
+
+    def _with_stop(self, data: list[dict], tools: list[dict] | None, i: int, final: str, ctx: _Row) -> str:
+        """`final` plus the stop token the template writes after turn i when the conversation goes on (GLM: the
+        next role tag, <|user|> or <|observation|>); unchanged when it writes none."""
+        follower = ({"role": "tool", "content": "…"} if data[i].get("tool_calls") else {"role": "user", "content": "…"})
+        try:
+            longer = self._compiled.render(messages=data[:i + 1] + [follower], tools=tools, documents=None,
+                                           add_generation_prompt=False, **self._variables)
+        except TEMPLATE_ERRORS:
+            return final
+        at = _common_prefix(final, longer)
+        stop = self._stop.search(longer, at)
+        if stop is None:
+            return final
+        between = longer[len(final):stop.start()] if at == len(final) else ""
+        return final + (between if not between.strip() else "") + stop.group()
+
+    def _check_rendered(self, generated: str, message: _Message, ctx: _Row) -> None:
+        """The answer, reasoning and tool calls of the message must all be in what the template renders for it."""
+        dropped = [what for what, text in (("content", message.answer), ("reasoning", message.reasoning))
+                   if text.strip() and text.strip() not in generated]
+        calls = [c["function"]["name"] for c in message.data.get("tool_calls") or []]
+        dropped += ["tool_calls"] if any(name not in generated for name in calls) else []
+        if dropped:
+            raise ctx.error(f"the chat template does not render this assistant message's {' and '.join(dropped)} "
+                            "in the turn the model generates, so it cannot be trained", "Use a chat_template that "
+                            "supports it, or remove it from the data.", message.label)
+
+    def _whole_text(self, messages: list[_Message], tools: list[dict] | None, text: str, trained: set[int],
+                    ctx: _Row) -> Rendered:
+        """assistant_only_loss: false: the whole rendering, minus the assistant turns that are not trained."""
         untrained = [i for i, m in enumerate(messages) if m.role == "assistant" and i not in trained]
-        if not self.assistant_only_loss and not untrained:
-            return Rendered(text, [(0, len(text))], append_eos=False, add_special_tokens=False)
-        turns = self._assistant_spans(messages, tools, text, ctx)
-        if self.assistant_only_loss:
-            spans = [turns[i] for i in sorted(trained)]
-        else:
-            spans = _complement([turns[i] for i in untrained], len(text))
-        return Rendered(text, spans, append_eos=False, add_special_tokens=False)
+        spans = []
+        for i in untrained:
+            prompt = self._render([m.data for m in messages[:i]], tools, True, ctx)
+            start = self._start(prompt, text, messages, i, ctx)
+            stop = self._stop.search(text, start)
+            spans.append((start, stop.end() if stop else len(text)))
+        return Rendered(text, _complement(spans, len(text)), append_eos=False, add_special_tokens=False)
 
     def _conversation(self, row: dict, ctx: _Row) -> tuple[list[_Message], list[dict] | None]:
         """The row's messages (normalised and validated) and its tool list."""
@@ -127,7 +236,27 @@ class ChatRenderer:
         if isinstance(system, str) and system.strip() and not (messages and messages[0].role == "system"):
             messages.insert(0, _Message({"role": "system", "content": system}, False, "system"))
         _validate(messages, ctx)
+        for message in messages:
+            self._prepare(message)
         return messages, _tools(row.get("tools"), ctx)
+
+    def _prepare(self, message: _Message) -> None:
+        """Reasoning under the names templates read; a <think> block in the content moves there when the template
+        reads reasoning fields (others render the content verbatim, think block included)."""
+        data = message.data
+        content = data["content"]
+        message.answer = content
+        think = THINK.match(content) if message.role == "assistant" else None
+        if think and self._reads_reasoning and not data.get("reasoning_content"):
+            data["reasoning_content"], data["content"] = think.group(1).strip("\n"), content[think.end():]
+            message.answer = data["content"]
+        if data.get("reasoning_content"):
+            data["thinking"] = message.reasoning = data["reasoning_content"]  # GPT-OSS reads `thinking`
+        elif think and not self._reads_reasoning:
+            message.answer = content[think.end():]  # rendered verbatim; a template that drops it is refused
+            message.reasoning = think.group(1)
+        if self._parts:
+            data["content"] = [{"type": "text", "text": data["content"]}]
 
     def _trained_turns(self, messages: list[_Message]) -> set[int]:
         """Indices of the assistant messages whose tokens are trained."""
@@ -137,90 +266,82 @@ class ChatRenderer:
             trained = [i for i in trained if i == last]
         return set(trained)
 
-    def _assistant_spans(self, messages: list[_Message], tools: list[dict] | None, text: str,
-                        ctx: _Row) -> dict[int, tuple[int, int]]:
-        """Character span [start, end) in `text` of every assistant turn: its content through its end-of-turn."""
-        spans: dict[int, tuple[int, int]] = {}
-        cursor, previous_end = 0, None  # messages appear in order: each is searched for after the previous one
-        for i, message in enumerate(messages):
-            if message.role != "assistant":
-                found = _find_content(text, message.data["content"], cursor)
-                cursor, previous_end = (found[1], found[1]) if found else (cursor, None)
-                continue
-            prefix = self._render([m.data for m in messages[:i]], tools, True, ctx)
-            aligned = _common_prefix(prefix, text)
-            turn_start = aligned if aligned == len(prefix) else _local_start(prefix, messages[i - 1], text,
-                                                                             previous_end)
-            spans[i] = self._locate_turn(text, message, max(cursor, aligned), turn_start, ctx)
-            cursor, previous_end = spans[i][1], None
-        return spans
-
-    def _locate_turn(self, text: str, message: _Message, lo: int, turn_start: int | None,
-                     ctx: _Row) -> tuple[int, int]:
-        """The span of one assistant turn at or after `lo`; turn_start is where the answer begins, when known."""
-        if message.data.get("tool_calls"):
-            return self._locate_tool_call_turn(text, message, turn_start, ctx)
-        found = _find_content(text, message.data["content"], max(lo, turn_start or 0))
-        if found and turn_start is not None and self._turn_end.search(text, turn_start, found[0]):
-            found = None  # the content only appears after this turn ended: the template dropped or rewrote it
-        if not found:
-            raise ctx.error("the chat template rewrites or drops this assistant message, so its tokens cannot be "
-                            "located in the rendered text", "Use a chat_template that writes assistant content "
-                            "verbatim (e.g. a preset), or set `assistant_only_loss: false`.", message.label)
-        end = self._end_of_turn_after(text, found[1])
-        if end is None:
-            raise ctx.error(f"no end-of-turn token follows this assistant message in the rendered text "
-                            f"({text[found[1]:found[1] + 30]!r}), so the model would never learn to stop",
-                            "Use a chat_template that ends assistant turns with a special token such as "
-                            "eos_token (the presets do).", message.label)
-        return found[0], end
-
-    def _locate_tool_call_turn(self, text: str, message: _Message, turn_start: int | None,
-                               ctx: _Row) -> tuple[int, int]:
-        """A turn with tool calls: from the end of the generation prompt through the first end-of-turn token."""
-        if turn_start is None:
-            raise ctx.error("cannot locate this tool-call turn: the chat template renders the conversation before "
-                            "it differently depending on later messages", "Use a preset chat_template (chatml, "
-                            "llama3, mistral_v3), or set `assistant_only_loss: false`.", message.label)
-        start = _skip_space(text, turn_start)
-        end = self._turn_end.search(text, start)
-        body = text[start:end.start()] if end else ""
-        names = [call["function"]["name"] for call in message.data["tool_calls"]]
-        if not end or not body.strip() or not all(name in body for name in names):
-            raise ctx.error("the chat template does not render this message's tool_calls (or ends the turn "
-                            "without an end-of-turn token)", "Use a chat_template with tool support "
-                            "(chatml, llama3, mistral_v3) or drop tool calls from the data.", message.label)
-        return start, end.end()
-
-    def _end_of_turn_after(self, text: str, pos: int) -> int | None:
-        """End of the end-of-turn token at `pos` (after optional spaces), or None when there is none."""
-        match = self._after_content.match(text, _skip_space(text, pos))
-        return match.end() if match else None
-
-    def _probe_end(self) -> list[str]:
-        """The token this template writes right after an assistant answer, found on a probe conversation."""
-        answer = "SFT probe answer."
-        probe = [{"role": "user", "content": "SFT probe question?"}, {"role": "assistant", "content": answer}]
+    def _needs_text_parts(self) -> bool:
+        """True for templates that only read content as a list of typed parts (LLaVA-Next, Idefics3)."""
+        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": REPLY_MARK}]
         try:
-            text = self.tokenizer.apply_chat_template(probe, chat_template=self.template, tokenize=False)
-        except TEMPLATE_ERRORS:  # a template that rejects the probe just gets no learned marker
-            return []
-        pos = text.find(answer)
-        rest = text[_skip_space(text, pos + len(answer)):] if pos >= 0 else ""
-        return [t for t in self.tokenizer.all_special_tokens + [t.content for t in
-                self.tokenizer.added_tokens_decoder.values()] if rest.startswith(t)][:1]
+            if REPLY_MARK in self._compiled.render(messages=probe, **self._variables):
+                return False
+        except TEMPLATE_ERRORS:
+            pass
+        parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in probe]
+        try:
+            return REPLY_MARK in self._compiled.render(messages=parts, **self._variables)
+        except TEMPLATE_ERRORS:
+            return False
 
     def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, ctx: _Row) -> str:
-        """The template's text for `messages`; template errors become SFTError naming the row."""
+        """The template's text for `messages`; template errors become SFTError naming the row.
+
+        The compiled template is called directly with what apply_chat_template passes (the special tokens): the
+        same text at about half the cost, which matters because each trained turn renders twice.
+        """
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.template,
-                                                      add_generation_prompt=generation_prompt, tokenize=False)
+            return self._compiled.render(messages=messages, tools=tools, documents=None,
+                                         add_generation_prompt=generation_prompt, **self._variables)
         except TEMPLATE_ERRORS as exc:
             # The template's own words say what it wants; only an alternation complaint gets that hint.
             hint = ("Alternate user and assistant turns in the row" if "alternate" in str(exc)
                     else "Fix the row's messages to fit the template")
             raise ctx.error(f"the chat template rejected the conversation ({type(exc).__name__}: {exc})",
                             f"{hint}, or choose another chat_template.") from None
+
+
+def _example(text: str, turns: list[_Turn]) -> Rendered:
+    """One tokenizable example: `text` cut after its last trained turn, with the turns' spans and kinds."""
+    end = max(t.end for t in turns)
+    return Rendered(text[:end] if end < len(text) and text[end:].strip() == "" else text,
+                    [(t.start, t.end) for t in turns], append_eos=False, add_special_tokens=False,
+                    kinds=[k for t in turns for k in t.kinds])
+
+
+def _kinds(text: str, start: int, stop: int, end: int, message: _Message) -> list[tuple[int, int, str]]:
+    """Labelled pieces of a trained turn [start, end): reasoning, answer, tool_call, channel (other markup the
+    model writes: <|channel|>final<|message|>, <|END_RESPONSE|>, ...) and end (the stop token)."""
+    marks = [(stop, end, "end")]
+    cursor = start
+    reasoning = _reasoning_span(text, start, stop, message.reasoning.strip())
+    if reasoning:
+        marks.append((*reasoning, "reasoning"))
+        cursor = reasoning[1]
+    answer = message.answer.strip()
+    at = text.find(answer, cursor, stop) if answer else -1
+    if at >= 0:
+        marks.append((at, at + len(answer), "answer"))
+        cursor = at + len(answer)
+    if message.data.get("tool_calls"):
+        marks.append((_skip_space(text, cursor), stop, "tool_call"))
+    covered = sorted(m[:2] for m in marks)
+    pos = start
+    for lo, hi in covered + [(stop, stop)]:
+        if text[pos:lo].strip():
+            marks.append((_skip_space(text, pos), lo, "channel"))
+        pos = max(pos, hi)
+    return sorted(m for m in marks if m[1] > m[0])
+
+
+def _reasoning_span(text: str, start: int, stop: int, reasoning: str) -> tuple[int, int] | None:
+    """The reasoning of a turn with its <think> tags, or an empty think block the template writes anyway."""
+    if reasoning:
+        at = text.find(reasoning, start, stop)
+        if at < 0:
+            return None
+        opening = text.rfind("<think>", start, at)
+        closing = text.find("</think>", at + len(reasoning), stop)
+        return (opening if opening >= 0 else at,
+                closing + len("</think>") if closing >= 0 else at + len(reasoning))
+    block = re.compile(r"<think>\s*</think>").search(text, start, stop)
+    return block.span() if block else None
 
 
 def _warn_split_tokens(tokenizer: PreTrainedTokenizerBase, preset: str) -> None:
@@ -277,6 +398,9 @@ def _openai_message(raw: Any, label: str, trainable: bool, ctx: _Row) -> _Messag
     for key in ("tool_call_id", "name"):
         if isinstance(raw.get(key), str):
             data[key] = raw[key]
+    reasoning = next((raw[k] for k in REASONING_FIELDS if isinstance(raw.get(k), str) and raw[k].strip()), None)
+    if reasoning is not None and role == "assistant":
+        data["reasoning_content"] = reasoning
     return _Message(data, trainable and _wants_training(raw), label)
 
 
@@ -396,34 +520,6 @@ def _validate(messages: list[_Message], ctx: _Row) -> None:
         raise ctx.error(f"the first message after the system prompt is from the {first.role}; a conversation "
                         "must open with a user message", "Remove the leading message or add the user's "
                         "prompt before it.", first.label)
-
-
-def _local_start(prefix: str, previous: _Message, text: str, previous_end: int | None) -> int | None:
-    """Where the answer starts when only the text right before it renders the same in `prefix` and `text`.
-
-    Some templates rewrite earlier turns depending on later ones (Mistral v0.3 puts the system prompt and the tool
-    list before the last user message), so the prefix property fails; the generation prompt that follows the
-    previous message's content in `prefix` (e.g. "[/INST]") must then follow it in `text` too.
-    """
-    if previous_end is None:
-        return None
-    content = previous.data["content"]
-    for candidate in (content, content.strip()):
-        pos = prefix.rfind(candidate) if candidate.strip() else -1
-        if pos >= 0:
-            tail = prefix[pos + len(candidate):]
-            return previous_end + len(tail) if text.startswith(tail, previous_end) else None
-    return None
-
-
-def _find_content(text: str, content: str, start: int) -> tuple[int, int] | None:
-    """(first non-space character, end) of `content` in `text` at or after `start`; tries it trimmed too."""
-    for candidate in (content, content.strip()):
-        if candidate.strip():
-            pos = text.find(candidate, start)
-            if pos >= 0:
-                return _skip_space(text, pos), pos + len(candidate)
-    return None
 
 
 def _skip_space(text: str, pos: int) -> int:

@@ -10,6 +10,7 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from sft.errors import SFTError
@@ -315,3 +316,55 @@ def prepare_tokenizer_for_template(tokenizer: PreTrainedTokenizerBase, preset: s
     if missing:
         tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
     return added + [t for t in wanted if t not in vocab]
+
+
+# End-of-turn tokens of common templates, recognised even where a tokenizer does not register them as special.
+KNOWN_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>",
+                     "<|endoftext|>", "<|end_of_text|>", "<|END_OF_TURN_TOKEN|>")
+REPLY_MARK = "\x00reply\x00"  # stands in for an assistant reply when looking for what the template writes after it
+
+
+def stop_tokens(tokenizer: PreTrainedTokenizerBase, template: str | None = None,
+                generation_eos: int | list[int] | None = None) -> list[str]:
+    """The tokens generation stops on, which are also the tokens that end a trained assistant turn.
+
+    The one place this is decided (chat masks, `sft generate`/`chat` and generation-based eval all call it): the
+    tokenizer's EOS and the generation config's `eos_token_id` list (GPT-OSS <|return|>/<|call|>, GLM <|user|>/
+    <|observation|>, Llama-3.1 <|eom_id|>). Only when none of those follows an assistant reply in the template's
+    own rendering (a base tokenizer whose EOS is <|endoftext|> under a ChatML template) is the special token the
+    template writes right after the reply added, so Cohere2 stops at <|END_OF_TURN_TOKEN|>, not <|END_RESPONSE|>.
+    """
+    configured = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    ids = [i for i in [tokenizer.eos_token_id, *configured] if i is not None]
+    tokens = list(dict.fromkeys(tokenizer.convert_ids_to_tokens(ids)))
+    after = _text_after_reply(tokenizer, template or tokenizer.chat_template)
+    if after is None or any(t in after for t in tokens):
+        return tokens
+    specials = [*tokenizer.all_special_tokens, *(t.content for t in tokenizer.added_tokens_decoder.values()),
+                *KNOWN_END_OF_TURN]
+    ending = sorted((t for t in specials if after.lstrip().startswith(t)), key=len, reverse=True)
+    return tokens + ending[:1]
+
+
+def _text_after_reply(tokenizer: PreTrainedTokenizerBase, template: str | None) -> str | None:
+    """What the template writes after an assistant reply in a one-turn conversation; None if it cannot say."""
+    if not template:
+        return None
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": REPLY_MARK}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False)
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError):
+        return None  # a template refusing the probe: the EOS ids alone stop replies
+    return text.split(REPLY_MARK, 1)[1] if REPLY_MARK in text else None
+
+
+def generation_eos(model: str | None) -> int | list[int] | None:
+    """eos_token_id of the model's generation_config.json (a local folder or a cached Hub id), if it has one."""
+    from transformers import GenerationConfig
+
+    if not model:
+        return None
+    try:
+        return GenerationConfig.from_pretrained(model).eos_token_id
+    except (OSError, ValueError):  # no generation config: the tokenizer's EOS and the template decide
+        return None

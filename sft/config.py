@@ -61,6 +61,10 @@ class SFTConfig(Seq2SeqTrainingArguments):
                                           False)
     no_assistant_turn: str = _help("Chat rows without an assistant message: error (stop, naming the row) or drop "
                                    "(skip and count them).", "error", choices=("error", "drop"))
+    history: str = _help("Chat templates that render earlier turns differently from the last one (Qwen3 drops "
+                         "their reasoning, GPT-OSS ends them with <|end|>): split (one example per trained turn, in "
+                         "the context the template gives it at inference), last (train only the final turn) or "
+                         "error.", "split", choices=("split", "last", "error"))
     dataset_num_proc: int | None = _help("Processes for tokenization (datasets.map num_proc).")
     dataloader_pin_memory: bool = _help("Pin dataloader memory (only useful with a GPU).", torch.cuda.is_available())
     overwrite_output_dir: bool = _help("Replace an earlier sft run in output_dir (only the files sft wrote) "

@@ -10,6 +10,8 @@ import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
+from sft import chat as chat_module
+from sft import chat_templates as templates_module
 from sft import encode as encode_module
 from sft import formats as formats_module
 from sft import seq2seq as seq2seq_module
@@ -22,6 +24,7 @@ from sft.seq2seq import Seq2SeqEncoding, pair_renderer
 from sft.sources import Source, load_source, parse_sources, repeat_by_weight
 
 TOKEN_COLUMNS = ["input_ids", "labels", "length"]
+COUNT_COLUMNS = ["truncated", "reasoning", "split"]  # per-example counts summed into Prepared, then removed
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Prepared:
     dropped_rows: int
     truncated_rows: int
     sources: list[SourceFormat] = field(default_factory=list)
+    reasoning_tokens: int = 0  # trained tokens inside reasoning blocks (chat data)
+    split_rows: int = 0  # extra examples made by `history: split` (chat data)
 
 
 def build_datasets(config: SFTConfig, tokenizer: PreTrainedTokenizerBase | None = None,
@@ -83,7 +88,9 @@ def prepare(sources: list[Source], config: SFTConfig, tokenizer: PreTrainedToken
         raise SFTError(f"No training rows left in {', '.join(s.label for s in sources)}: every row was dropped "
                        f"(no trained token within max_length={config.max_length}). Raise max_length or check the data.")
     return Prepared(dataset, sum(p.dropped_rows for p in parts), sum(p.truncated_rows for p in parts),
-                    sources=[decided for p in parts for decided in p.sources])
+                    sources=[decided for p in parts for decided in p.sources],
+                    reasoning_tokens=sum(p.reasoning_tokens for p in parts),
+                    split_rows=sum(p.split_rows for p in parts))
 
 
 def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared:
@@ -113,14 +120,16 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
     if len(tokenized) == 0:
         raise SFTError(f"Dataset {source.label}: all {len(raw)} rows were dropped because no trained token fits in "
                        f"max_length={config.max_length}. Raise max_length or shorten the prompts.")
-    truncated = pc.sum(tokenized.with_format("arrow")["truncated"]).as_py() or 0  # no per-row Python iteration
-    tokenized = tokenized.remove_columns("truncated")
-    dropped = len(raw) - len(tokenized)
-    return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, truncated, sources=[decided])
+    counts = {c: pc.sum(tokenized.with_format("arrow")[c]).as_py() or 0 for c in COUNT_COLUMNS if c in
+              tokenized.column_names}  # no per-row Python iteration
+    tokenized = tokenized.remove_columns([c for c in COUNT_COLUMNS if c in tokenized.column_names])
+    dropped = max(len(raw) + counts.get("split", 0) - len(tokenized), 0)
+    return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, counts.get("truncated", 0),
+                    sources=[decided], reasoning_tokens=counts.get("reasoning", 0), split_rows=counts.get("split", 0))
 
 
 CACHE_FIELDS = ("completion_only_loss", "max_length", "truncation_side", "assistant_only_loss", "chat_template",
-                "train_on_last_turn_only", "no_assistant_turn", "packing", "packing_strategy")
+                "train_on_last_turn_only", "no_assistant_turn", "history", "packing", "packing_strategy")
 
 
 def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, config: SFTConfig,
@@ -130,7 +139,7 @@ def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
     datasets would otherwise hash the mapped function with dill (the tokenizer object included), which costs more
     than re-reading a cached result; this key is cheap and changes whenever any input of the result changes.
     """
-    modules = (encode_module, formats_module, seq2seq_module, sys.modules[__name__])
+    modules = (encode_module, formats_module, seq2seq_module, chat_module, templates_module, sys.modules[__name__])
     code = [Path(module.__file__).read_bytes() for module in modules]
     tok = [tokenizer.backend_tokenizer.to_str(), str(tokenizer.chat_template), str(tokenizer.special_tokens_map),
            type(tokenizer).__name__]
@@ -154,17 +163,23 @@ def make_renderer(config: SFTConfig, decided: SourceFormat, tokenizer: PreTraine
     chat = None
     if conversational:
         from sft.chat import ChatRenderer
+        from sft.chat_templates import generation_eos
 
         chat = ChatRenderer(tokenizer, config.chat_template, config.assistant_only_loss,
-                            config.train_on_last_turn_only, config.no_assistant_turn)
+                            config.train_on_last_turn_only, config.no_assistant_turn, config.history,
+                            generation_eos(config.model_name_or_path))
     return row_renderer(fmt, decided.completion_only_loss, chat)
 
 
 def encode_batch(batch: dict, indices: list[int], render: Callable, encoding: Encoding, where: str) -> dict:
     """datasets.map body: render each row, tokenize the batch, drop rows with nothing to train."""
     keys = list(batch)
-    rows = [render({k: batch[k][i] for k in keys}, where, index + 1) for i, index in enumerate(indices)]
-    encoded = encoding.encode([r for r in rows if isinstance(r, Rendered)])
+    rows: list[Rendered] = []
+    for i, index in enumerate(indices):
+        out = render({k: batch[k][i] for k in keys}, where, index + 1)
+        rows += out if isinstance(out, list) else [out] if isinstance(out, Rendered) else []  # chat: 0..n examples
+    encoded = encoding.encode(rows)
+    encoded.pop("kinds", None)  # only `sft data --show` looks at them
     keep = [i for i, trained in enumerate(encoded.pop("trained")) if trained]
     return {key: [values[i] for i in keep] for key, values in encoded.items()}
 
@@ -175,5 +190,6 @@ def split_off_eval(train: Prepared, size: float, seed: int) -> tuple[Prepared, P
     if len(train.dataset) < 2 or (test_size >= 1 and test_size >= len(train.dataset)):
         raise SFTError(f"eval_split_size={size} leaves no training rows out of {len(train.dataset)}.")
     parts = train.dataset.train_test_split(test_size=test_size, seed=seed, shuffle=True)
-    return (Prepared(parts["train"], train.dropped_rows, train.truncated_rows, sources=train.sources),
-            Prepared(parts["test"], 0, 0, sources=train.sources))
+    kept = Prepared(parts["train"], train.dropped_rows, train.truncated_rows, sources=train.sources,
+                    reasoning_tokens=train.reasoning_tokens, split_rows=train.split_rows)
+    return kept, Prepared(parts["test"], 0, 0, sources=train.sources)

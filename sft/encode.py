@@ -19,9 +19,11 @@ class Encoding:
     truncation_side: str = "right"
 
     def encode(self, rows: list[Rendered]) -> dict[str, list]:
-        """Tokenize a batch; returns input_ids, labels, length, truncated and trained (token count) per row."""
+        """Tokenize a batch; per row: input_ids, labels, length, truncated, trained and reasoning (token counts),
+        split (an extra example of a chat row), kinds (token runs [first, last) of each labelled chat piece) and
+        answer_offset."""
         out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "truncated": [], "trained": [],
-                                "answer_offset": []}
+                                "answer_offset": [], "reasoning": [], "split": [], "kinds": []}
         encoded: list = [None] * len(rows)
         for flag in (True, False):  # one batched call with the tokenizer's BOS/EOS template, one without
             picked = [i for i, r in enumerate(rows) if r.add_special_tokens is flag]
@@ -44,7 +46,14 @@ class Encoding:
                 labels.append(IGNORE_INDEX)
             if row.spans:  # trained once, whoever appended it: the tokenizer's EOS has no characters in any span
                 labels[-1] = eos
+        kinds = [(*_token_run(alignment, start, end), kind) for start, end, kind in row.kinds]
+        shift = max(len(ids) - self.max_length, 0) if self.truncation_side == "left" else 0
         ids, labels, cut = self._truncate(ids, labels)
+        kinds = [(max(a - shift, 0), min(b - shift, len(ids)), kind) for a, b, kind in kinds if b - shift > 0]
+        out["reasoning"].append(sum(b - a - labels[a:b].count(IGNORE_INDEX) for a, b, kind in kinds
+                                    if kind == "reasoning" and b > a))
+        out["split"].append(int(row.split))
+        out["kinds"].append([k for k in kinds if k[1] > k[0]])
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["length"].append(len(ids))
@@ -97,3 +106,9 @@ def _token_at(alignment: TokenAlignment, chars: range) -> int | None:
         if token is not None:
             return token
     return None
+
+
+def _token_run(alignment: TokenAlignment, start: int, end: int) -> tuple[int, int]:
+    """Tokens [first, last + 1) overlapping characters [start, end); (0, 0) when none does."""
+    first, last = _token_at(alignment, range(start, end)), _token_at(alignment, range(end - 1, start - 1, -1))
+    return (first, last + 1) if first is not None and last is not None else (0, 0)

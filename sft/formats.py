@@ -1,7 +1,7 @@
 """Dataset formats: detect a format from columns and render each row to text plus the character spans to train."""
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sft.errors import SFTError
@@ -38,6 +38,10 @@ class Rendered:
     spans: list[tuple[int, int]]
     append_eos: bool = True  # plain formats end with EOS; chat templates write their own end-of-turn tokens
     add_special_tokens: bool = True  # chat templates already contain BOS
+    # Chat turns: labelled character pieces of the trained spans (reasoning, answer, tool_call, channel, end), and
+    # whether this is an extra example a row made under `history: split`.
+    kinds: list[tuple[int, int, str]] = field(default_factory=list)
+    split: bool = False
 
 
 def detect_format(columns: list[str], where: str) -> str:
@@ -152,10 +156,11 @@ def default_completion_only(fmt: str) -> bool:
     return fmt in ("alpaca", "prompt_completion", "seq2seq")
 
 
-def row_renderer(fmt: str, completion_only: bool, chat: Any = None) -> Callable[[dict, str, int], Rendered | None]:
-    """A function row -> Rendered | None for `fmt`; chat formats render through `chat` (a sft.chat.ChatRenderer).
-
-    The chat renderer returns None for a row it drops (no assistant turn with `no_assistant_turn: drop`).
+def row_renderer(fmt: str, completion_only: bool, chat: Any = None,
+                 ) -> Callable[[dict, str, int], Rendered | list[Rendered]]:
+    """A function row -> Rendered (or a list of them) for `fmt`; chat formats render through `chat` (a
+    sft.chat.ChatRenderer), which returns a list: empty for a row it drops (no assistant turn with
+    `no_assistant_turn: drop`), several for a row split by `history: split`.
     prompt_completion rows whose prompt is a message list (conversational) also go through `chat` when given.
     """
     if fmt in CHAT_FORMATS:

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
     PreTrainedTokenizerBase, TextStreamer
 
 from sft.adapters import ADAPTER_CONFIG, base_model_name, is_adapter_folder
+from sft.chat_templates import stop_tokens
 from sft.errors import SFTError
 from sft.formats import ALPACA_PROMPT_NO_INPUT
 from sft.model import DTYPES, fit_embeddings
@@ -25,7 +26,6 @@ log = logging.getLogger(__name__)
 # Recipe keys that decide how a run quantized its base (bf16/fp16/dtype pick bnb_4bit_compute_dtype: auto).
 QUANTIZATION_KEYS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
                      "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "dtype", "bf16", "fp16")
-REPLY_MARK = "\x00reply\x00"  # stands in for an assistant reply when looking for the template's end-of-turn token
 
 
 @dataclass
@@ -192,23 +192,8 @@ def generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, config: GenerationConfig) -> set[int]:
-    """EOS ids of the tokenizer and generation config, plus the special token the chat template ends replies with."""
-    configured = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    ids = {i for i in [tokenizer.eos_token_id, *configured] if i is not None}
-    end = template_end_of_turn(tokenizer)
-    return ids | ({tokenizer.convert_tokens_to_ids(end)} if end else set())
-
-
-def template_end_of_turn(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    """The special token the chat template writes right after an assistant reply (<|eot_id|>, <|im_end|>, ...)."""
-    if not tokenizer.chat_template:
-        return None
-    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": REPLY_MARK}]
-    try:
-        after = tokenizer.apply_chat_template(conversation, tokenize=False).split(REPLY_MARK, 1)[1]
-    except (jinja2.TemplateError, ValueError):  # a template refusing this conversation: EOS alone stops replies
-        return None
-    return next((t for t in tokenizer.all_special_tokens if after.startswith(t)), None)
+    """Ids of the tokens generation stops on (sft.chat_templates.stop_tokens: the same that end trained turns)."""
+    return set(tokenizer.convert_tokens_to_ids(stop_tokens(tokenizer, None, config.eos_token_id)))
 
 
 def chat(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase, options: GenerationOptions,
