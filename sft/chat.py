@@ -153,18 +153,17 @@ class ChatRenderer:
         if outside and self.history == "last":
             inside, outside = {max(turns): turns[max(turns)]}, []
             text = turns[max(turns)].text
-        examples = [_example(text, list(inside.values()))] if inside else []
-        examples += [_example(turns[i].text, [turns[i]]) for i in outside]
-        for extra in examples[1:]:
-            extra.split = True
-        return examples
+        examples = [_example(turns[i].text, [turns[i]]) for i in outside]  # earlier turns first: turn order
+        for extra in examples[1 if not inside else 0:]:
+            extra.split = True  # the row's examples beyond the first, counted by `sft data`
+        return examples + ([_example(text, list(inside.values()))] if inside else [])
 
     def _turn(self, messages: list[_Message], tools: list[dict] | None, i: int, text: str, ctx: _Row) -> _Turn:
         """Assistant turn i rendered as the last message: what the model generates after the generation prompt."""
         data = [m.data for m in messages]
         prompt = self._render(data[:i], tools, True, ctx)
         final = text if i == len(messages) - 1 else self._render(data[:i + 1], tools, False, ctx)
-        start = self._start(prompt, final, messages, i, ctx)
+        final, start = self._align(prompt, final, messages, i, ctx)
         stop = self._stop.search(final, start)
         if stop is None:
             final = self._with_stop(data, tools, i, final, ctx)
@@ -177,18 +176,32 @@ class ChatRenderer:
         self._check_rendered(final[start:stop.start()], messages[i], ctx)
         return _Turn(final, start, stop.end(), _kinds(final, start, stop.start(), stop.end(), messages[i]))
 
-    def _start(self, prompt: str, final: str, messages: list[_Message], i: int, ctx: _Row) -> int:
-        """Where the generated text starts: the end of the generation prompt, or where prompt and turn differ."""
+    def _align(self, prompt: str, final: str, messages: list[_Message], i: int, ctx: _Row) -> tuple[str, int]:
+        """The turn's example text and where the generated part starts in it.
+
+        The prompt is a prefix of the turn's rendering (the usual case): the answer starts where it ends. Where
+        only earlier text differs (Mistral v0.3 writes the system prompt before the last user message only), the
+        example is the prompt as the model sees it plus what follows the same generation prompt in the turn's
+        rendering. Otherwise (DeepSeek-R1 / Nemotron-3 open a think block in the prompt alone) the turn starts
+        where prompt and rendering first differ.
+        """
         if final.startswith(prompt):
-            return len(prompt)
-        start = _common_prefix(prompt, final)  # DeepSeek-R1 / Nemotron-3: the prompt opens a think block
+            return final, len(prompt)
         previous = messages[i - 1].data.get("content") if i else None
-        if isinstance(previous, str) and previous.strip() and previous.strip() in prompt[start:]:
+        previous = previous.strip() if isinstance(previous, str) else ""
+        at = prompt.rfind(previous) if previous else -1
+        if at >= 0:
+            opening = prompt[at:]  # the previous message's end and the generation prompt
+            found = final.rfind(opening)
+            if found >= 0 and len(opening) > len(previous):
+                return prompt + final[found + len(opening):], len(prompt)
+        start = _common_prefix(prompt, final)
+        if previous and previous in prompt[start:]:
             raise ctx.error("the chat template renders the conversation before this assistant turn differently "
                             "once the turn is added, so where the answer starts is unknown",
                             "Use a chat_template whose generation prompt is a prefix of the rendered turn "
                             "(e.g. a preset), or set `assistant_only_loss: false`.", messages[i].label)
-        return start
+        return final, start
 
     def _with_stop(self, data: list[dict], tools: list[dict] | None, i: int, final: str, ctx: _Row) -> str:
         """`final` plus the stop token the template writes after turn i when the conversation goes on (GLM: the
@@ -224,7 +237,7 @@ class ChatRenderer:
         spans = []
         for i in untrained:
             prompt = self._render([m.data for m in messages[:i]], tools, True, ctx)
-            start = self._start(prompt, text, messages, i, ctx)
+            start = _common_prefix(prompt, text)  # the whole text is trained here, so a rough start is enough
             stop = self._stop.search(text, start)
             spans.append((start, stop.end() if stop else len(text)))
         return Rendered(text, _complement(spans, len(text)), append_eos=False, add_special_tokens=False)
@@ -298,10 +311,8 @@ class ChatRenderer:
 
 
 def _example(text: str, turns: list[_Turn]) -> Rendered:
-    """One tokenizable example: `text` cut after its last trained turn, with the turns' spans and kinds."""
-    end = max(t.end for t in turns)
-    return Rendered(text[:end] if end < len(text) and text[end:].strip() == "" else text,
-                    [(t.start, t.end) for t in turns], append_eos=False, add_special_tokens=False,
+    """One tokenizable example: the template's `text` with the turns' spans and kinds."""
+    return Rendered(text, [(t.start, t.end) for t in turns], append_eos=False, add_special_tokens=False,
                     kinds=[k for t in turns for k in t.kinds])
 
 

@@ -330,14 +330,20 @@ def stop_tokens(tokenizer: PreTrainedTokenizerBase, template: str | None = None,
 
     The one place this is decided (chat masks, `sft generate`/`chat` and generation-based eval all call it): the
     tokenizer's EOS and the generation config's `eos_token_id` list (GPT-OSS <|return|>/<|call|>, GLM <|user|>/
-    <|observation|>, Llama-3.1 <|eom_id|>). Only when none of those follows an assistant reply in the template's
-    own rendering (a base tokenizer whose EOS is <|endoftext|> under a ChatML template) is the special token the
-    template writes right after the reply added, so Cohere2 stops at <|END_OF_TURN_TOKEN|>, not <|END_RESPONSE|>.
+    <|observation|>, Llama-3.1 <|eom_id|>). When neither follows a final reply in the template's rendering (no
+    generation config, or one that does not cover this template), the special token the template writes right
+    after an earlier reply is added, unless a known stop already follows it there: a base tokenizer's
+    <|endoftext|> under ChatML gains <|im_end|>, Phi-3 (whose template writes EOS after the last turn only) gains
+    <|end|>, and Cohere2 keeps stopping at <|END_OF_TURN_TOKEN|>, not <|END_RESPONSE|>.
     """
     configured = generation_eos if isinstance(generation_eos, list) else [generation_eos]
     ids = [i for i in [tokenizer.eos_token_id, *configured] if i is not None]
     tokens = list(dict.fromkeys(tokenizer.convert_ids_to_tokens(ids)))
-    after = _text_after_reply(tokenizer, template or tokenizer.chat_template)
+    template = template or tokenizer.chat_template
+    final = _text_after_reply(tokenizer, template, False)
+    if generation_eos is not None and final is not None and any(t in final for t in tokens):
+        return tokens
+    after = _text_after_reply(tokenizer, template, True)
     if after is None or any(t in after for t in tokens):
         return tokens
     specials = [*tokenizer.all_special_tokens, *(t.content for t in tokenizer.added_tokens_decoder.values()),
@@ -346,16 +352,20 @@ def stop_tokens(tokenizer: PreTrainedTokenizerBase, template: str | None = None,
     return tokens + ending[:1]
 
 
-def _text_after_reply(tokenizer: PreTrainedTokenizerBase, template: str | None) -> str | None:
-    """What the template writes after an assistant reply in a one-turn conversation; None if it cannot say."""
+def _text_after_reply(tokenizer: PreTrainedTokenizerBase, template: str | None, followed: bool) -> str | None:
+    """What the template writes after an assistant reply (up to the next user message when `followed`); None
+    when it cannot say (no template, or one that refuses the probe)."""
     if not template:
         return None
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": REPLY_MARK}]
+    if followed:
+        conversation.append({"role": "user", "content": REPLY_MARK})
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False)
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError):
         return None  # a template refusing the probe: the EOS ids alone stop replies
-    return text.split(REPLY_MARK, 1)[1] if REPLY_MARK in text else None
+    pieces = text.split(REPLY_MARK)
+    return pieces[1] if len(pieces) > 1 else None
 
 
 def generation_eos(model: str | None) -> int | list[int] | None:

@@ -86,6 +86,12 @@ def fixture_tokenizer(name: str):
         return AutoTokenizer.from_pretrained(folder)
 
 
+def only(examples: list):
+    """The one example a row rendered to (rows split by `history: split` render to several)."""
+    assert len(examples) == 1, [e.text for e in examples]
+    return examples[0]
+
+
 def labels_for(tokenizer, rendered) -> tuple[list[int], list[int]]:
     """input_ids and labels of a Rendered, built by the pipeline's own sft.encode.Encoding."""
     out = Encoding(tokenizer, max_length=10**9).encode([rendered])
@@ -124,7 +130,7 @@ def test_every_preset_trains_exactly_the_assistant_turns(preset):
     assert new == list(PRESETS[preset].special_tokens) and len(tok) == before + len(new)
     for token in PRESETS[preset].special_tokens:  # now atomic
         assert len(tok(token, add_special_tokens=False)["input_ids"]) == 1
-    rendered = ChatRenderer(tok, preset).render_row({"messages": CONVERSATION}, "train.jsonl", 1)
+    rendered = only(ChatRenderer(tok, preset).render_row({"messages": CONVERSATION}, "train.jsonl", 1))
     assert not rendered.append_eos and not rendered.add_special_tokens
     assert_turns(tok, rendered, ANSWERS, preset_end_of_turn(preset, tok))
     assert SYSTEM in rendered.text
@@ -145,7 +151,7 @@ def test_presets_render_prefixes_as_prefixes(preset):
 def test_generation_markers_mask_equals_transformers():
     tok = tiny_tokenizer()
     prepare_tokenizer_for_template(tok, "chatml")
-    rendered = ChatRenderer(tok, GENERATION_CHATML).render_row({"messages": CONVERSATION}, "x", 1)
+    rendered = only(ChatRenderer(tok, GENERATION_CHATML).render_row({"messages": CONVERSATION}, "x", 1))
     ids, labels = labels_for(tok, rendered)
     out = tok.apply_chat_template(CONVERSATION, chat_template=GENERATION_CHATML, tokenize=True, return_dict=True,
                                   return_assistant_tokens_mask=True)
@@ -178,7 +184,12 @@ def test_prepare_tokenizer_is_idempotent_and_adds_eos_when_missing():
 def test_real_tokenizer_own_template(name):
     tok = fixture_tokenizer(name)
     messages = CONVERSATION[1:] if name == "mistral-7b-instruct-v0.2" else CONVERSATION  # v0.2 has no system role
-    rendered = ChatRenderer(tok).render_row({"messages": messages}, "train.jsonl", 1)
+    examples = ChatRenderer(tok).render_row({"messages": messages}, "train.jsonl", 1)
+    if name == "mistral-7b-instruct-v0.3":  # its system prompt moves to the last user message: one example per turn
+        for example, answer in zip(examples, ANSWERS):
+            assert_turns(tok, example, [answer], "</s>")
+        return
+    rendered = only(examples)
     assert_turns(tok, rendered, ANSWERS, FIXTURE_END_OF_TURN[name])
     ids, _ = labels_for(tok, rendered)
     enc = tok(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
@@ -215,19 +226,29 @@ def test_real_tokenizers_with_presets_and_two_turns():
     assert tok.apply_chat_template(two, chat_template=PRESETS["mistral_v3"].template, tokenize=False) == \
         "<s>[INST] hi[/INST] yo</s>"
     for preset in ("mistral_v3", "llama2", "vicuna", "alpaca"):
-        rendered = ChatRenderer(tok, preset).render_row({"messages": CONVERSATION}, "x", 1)
+        rendered = only(ChatRenderer(tok, preset).render_row({"messages": CONVERSATION}, "x", 1))
         assert_turns(tok, rendered, ANSWERS, "</s>")
 
 
 @needs_fixtures
 def test_llama32_date_system_prompt_and_hub_mistral_v3_system():
     llama = fixture_tokenizer("llama-3.2-3b-instruct")
-    rendered = ChatRenderer(llama).render_row({"messages": CONVERSATION[1:]}, "x", 1)
+    rendered = only(ChatRenderer(llama).render_row({"messages": CONVERSATION[1:]}, "x", 1))
     assert "Cutting Knowledge Date" in rendered.text  # injected system prompt, never trained
     assert_turns(llama, rendered, ANSWERS, "<|eot_id|>")
-    mistral = fixture_tokenizer("mistral-7b-instruct-v0.3")  # Hub v0.3 moves the system prompt: no prefix property
-    rendered = ChatRenderer(mistral).render_row({"messages": CONVERSATION}, "x", 1)
-    assert_turns(mistral, rendered, ANSWERS, "</s>")
+    # Hub v0.3 puts the system prompt before the LAST user message: each earlier answer was generated with it
+    # before its own question, a context the whole conversation no longer shows, so history: split trains each
+    # answer in its own example (the system prompt right before that answer's question).
+    mistral = fixture_tokenizer("mistral-7b-instruct-v0.3")
+    examples = ChatRenderer(mistral).render_row({"messages": CONVERSATION}, "x", 1)
+    assert len(examples) == 3 and [e.split for e in examples] == [True, True, False]
+    for example, answer, question in zip(examples, ANSWERS, CONVERSATION[1::2]):
+        assert_turns(mistral, example, [answer], "</s>")
+        assert SYSTEM + "\n\n" + question["content"] in example.text
+    with pytest.raises(SFTError, match=r"row 1, messages\[2\]: .*history: error"):
+        ChatRenderer(mistral, history="error").render_row({"messages": CONVERSATION}, "x", 1)
+    assert_turns(mistral, only(ChatRenderer(mistral, history="last").render_row({"messages": CONVERSATION}, "x", 1)),
+                 ANSWERS[-1:], "</s>")
 
 
 @needs_fixtures
@@ -243,9 +264,11 @@ def test_glaive_tool_calls_sharegpt(name, template, call_marker):
     renderer = ChatRenderer(tok, template)
     eot = FIXTURE_END_OF_TURN[name]
     for number, row in enumerate(rows, 1):
-        rendered = renderer.render_row(row, "glaive.json", number)
+        examples = renderer.render_row(row, "glaive.json", number)
         turns = [t for t in row["conversations"] if t["from"] in ("gpt", "function_call")]
-        pieces = [rendered.text[s:e] for s, e in rendered.spans]
+        # a turn's span ends later in its own rendering than any earlier turn's: sort split examples' turns so
+        spans = sorted((end, e.text[start:end]) for e in examples for start, end in e.spans)
+        pieces = [piece.lstrip() for _, piece in spans]  # Mistral's answers start with the space after [/INST]
         assert len(pieces) == len(turns)
         for turn, piece in zip(turns, pieces):
             assert piece.endswith(eot)
@@ -268,19 +291,19 @@ def chatml_tok():
 def test_train_false_and_last_turn_only(chatml_tok):
     messages = [dict(m) for m in CONVERSATION]
     messages[4]["train"] = False
-    rendered = ChatRenderer(chatml_tok, "chatml").render_row({"messages": messages}, "x", 1)
+    rendered = only(ChatRenderer(chatml_tok, "chatml").render_row({"messages": messages}, "x", 1))
     assert_turns(chatml_tok, rendered, [ANSWERS[0], ANSWERS[2]], "<|im_end|>")
     last = ChatRenderer(chatml_tok, "chatml", train_on_last_turn_only=True)
-    assert_turns(chatml_tok, last.render_row({"messages": CONVERSATION}, "x", 1), ANSWERS[-1:], "<|im_end|>")
+    assert_turns(chatml_tok, only(last.render_row({"messages": CONVERSATION}, "x", 1)), ANSWERS[-1:], "<|im_end|>")
 
 
 def test_whole_conversation_when_not_assistant_only(chatml_tok):
     renderer = ChatRenderer(chatml_tok, "chatml", assistant_only_loss=False)
-    rendered = renderer.render_row({"messages": CONVERSATION}, "x", 1)
+    rendered = only(renderer.render_row({"messages": CONVERSATION}, "x", 1))
     assert rendered.spans == [(0, len(rendered.text))]
     messages = [dict(m) for m in CONVERSATION]
     messages[2]["train"] = False  # carved out of the whole-text span
-    rendered = renderer.render_row({"messages": messages}, "x", 1)
+    rendered = only(renderer.render_row({"messages": messages}, "x", 1))
     assert len(rendered.spans) == 2 and ANSWERS[0] not in "".join(rendered.text[s:e] for s, e in rendered.spans)
 
 
@@ -290,20 +313,21 @@ def test_sharegpt_roles_and_format_detection(chatml_tok):
                              {"from": "gpt", "value": "I am fine, thank you.", "train": False}]}
     assert detect_format(["id", "conversations"], "x") == "sharegpt"
     renderer = ChatRenderer(chatml_tok, "chatml")
-    rendered = row_renderer("sharegpt", False, renderer)(row, "x", 1)
+    rendered = only(row_renderer("sharegpt", False, renderer)(row, "x", 1))
     assert rendered.text.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nHello?")
     assert_turns(chatml_tok, rendered, ["Hello, how are you?"], "<|im_end|>")
     column = {"system": SYSTEM, "conversations": [{"role": "user", "content": "Hello?"},  # role/content too
                                                   {"role": "assistant", "content": "Hello."}]}
-    rendered = renderer.render_row(column, "x", 1)
+    rendered = only(renderer.render_row(column, "x", 1))
     assert rendered.text.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>")
     assert [rendered.text[s:e] for s, e in rendered.spans] == ["Hello.<|im_end|>"]
 
 
 def test_template_that_trims_content(chatml_tok):
-    trimming = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+    trimming = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     messages = [{"role": "user", "content": " Hello? "}, {"role": "assistant", "content": "  Paris is big.\n"}]
-    rendered = ChatRenderer(chatml_tok, trimming).render_row({"messages": messages}, "x", 1)
+    rendered = only(ChatRenderer(chatml_tok, trimming).render_row({"messages": messages}, "x", 1))
     assert [rendered.text[s:e] for s, e in rendered.spans] == ["Paris is big.<|im_end|>"]
 
 
@@ -314,7 +338,7 @@ def test_sharegpt_function_call_and_tools(chatml_tok):
         {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 2, "b": 3}}'},
         {"from": "observation", "value": '{"sum": 5}'},
         {"from": "gpt", "value": "2 and 3 make 5."}]}
-    rendered = ChatRenderer(chatml_tok, "chatml").render_row(row, "x", 1)
+    rendered = only(ChatRenderer(chatml_tok, "chatml").render_row(row, "x", 1))
     assert '"description": "Add numbers"' in rendered.text  # the tools column reached the template
     assert "<|im_start|>tool\n{\"sum\": 5}<|im_end|>" in rendered.text
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -331,20 +355,20 @@ def test_openai_tool_calls_through_arrow_rows(chatml_tok):
         {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hello."}]}]
     ds = datasets.Dataset.from_list(rows)  # Arrow unifies the structs: absent keys come back as None
     renderer = ChatRenderer(chatml_tok, "chatml")
-    first, second = (renderer.render_row(ds[i], "x", i + 1) for i in range(2))
+    first, second = (only(renderer.render_row(ds[i], "x", i + 1)) for i in range(2))
     assert first.text[slice(*first.spans[0])].startswith('<tool_call>\n{"name": "add", "arguments": {"a": 2')
     assert [second.text[s:e] for s, e in second.spans] == ["Hello.<|im_end|>"]
 
 
 def test_conversational_prompt_completion(chatml_tok):
     row = {"prompt": CONVERSATION[:4], "completion": CONVERSATION[4:5]}
-    rendered = row_renderer("prompt_completion", True, ChatRenderer(chatml_tok, "chatml"))(row, "x", 1)
+    rendered = only(row_renderer("prompt_completion", True, ChatRenderer(chatml_tok, "chatml"))(row, "x", 1))
     assert_turns(chatml_tok, rendered, [ANSWERS[1]], "<|im_end|>")
 
 
 def test_show_examples(chatml_tok):
     renderer = ChatRenderer(chatml_tok, "chatml")
-    rows = [renderer.render_row({"messages": CONVERSATION}, "x", 1)]
+    rows = [only(renderer.render_row({"messages": CONVERSATION}, "x", 1))]
     examples = []
     for rendered in rows:
         ids, labels = labels_for(chatml_tok, rendered)
@@ -375,7 +399,7 @@ def test_row_errors(chatml_tok):
     assert "no assistant message" in error_for(chatml, {"messages": [user]})
     assert "no_assistant_turn: drop" in error_for(chatml, {"messages": [user]})
     dropping = ChatRenderer(chatml_tok, "chatml", no_assistant_turn="drop")
-    assert dropping.render_row({"messages": [user]}, "x", 1) is None
+    assert dropping.render_row({"messages": [user]}, "x", 1) == []
     assert "messages[1]: assistant message has empty content" in error_for(
         chatml, {"messages": [user, {"role": "assistant", "content": "  "}]})
     assert "tool result must follow the assistant" in error_for(
@@ -391,12 +415,12 @@ def test_template_errors(chatml_tok):
     mistral = ChatRenderer(chatml_tok, "mistral")
     assert "must alternate" in error_for(mistral, {"messages": [user, user, answer]})
     rewriting = ChatRenderer(chatml_tok, "{% for m in messages %}{{ m.content | upper }}</s>{% endfor %}")
-    assert "rewrites or drops" in error_for(rewriting, {"messages": [user, answer]})
+    assert "does not render this assistant message's content" in error_for(rewriting, {"messages": [user, answer]})
     no_end = ChatRenderer(chatml_tok, "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
-    assert "no end-of-turn token" in error_for(no_end, {"messages": [user, answer]})
+    assert "no stop token (</s>) ends this assistant turn" in error_for(no_end, {"messages": [user, answer]})
     no_tools = ChatRenderer(chatml_tok, "zephyr")
     call = {"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": {}}}]}
-    assert "does not render this message's tool_calls" in error_for(no_tools, {"messages": [user, call]})
+    assert "does not render this assistant message's tool_calls" in error_for(no_tools, {"messages": [user, call]})
 
 
 def test_resolve_chat_template(tmp_path, chatml_tok):
