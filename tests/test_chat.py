@@ -236,12 +236,12 @@ def test_llama32_date_system_prompt_and_hub_mistral_v3_system():
     rendered = only(ChatRenderer(llama).render_row({"messages": CONVERSATION[1:]}, "x", 1))
     assert "Cutting Knowledge Date" in rendered.text  # injected system prompt, never trained
     assert_turns(llama, rendered, ANSWERS, "<|eot_id|>")
-    # Hub v0.3 puts the system prompt before the LAST user message: each earlier answer was generated with it
-    # before its own question, a context the whole conversation no longer shows, so history: split trains each
-    # answer in its own example (the system prompt right before that answer's question).
+    # Hub v0.3 writes the system prompt before the user message only when that message is the last one: every
+    # answer was generated with it right before its own question, a context the whole conversation (which has no
+    # system prompt at all) never shows, so history: split trains each answer in its own example.
     mistral = fixture_tokenizer("mistral-7b-instruct-v0.3")
     examples = ChatRenderer(mistral).render_row({"messages": CONVERSATION}, "x", 1)
-    assert len(examples) == 3 and [e.split for e in examples] == [True, True, False]
+    assert len(examples) == 3 and [e.split for e in examples] == [False, True, True]
     for example, answer, question in zip(examples, ANSWERS, CONVERSATION[1::2]):
         assert_turns(mistral, example, [answer], "</s>")
         assert SYSTEM + "\n\n" + question["content"] in example.text
