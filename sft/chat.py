@@ -120,6 +120,7 @@ class ChatRenderer:
         self.stops = stop_tokens(tokenizer, self.template, generation_eos)
         self._stop = _alternation(self.stops)
         self._parts = self._needs_text_parts()
+        self._string_arguments = self._needs_string_arguments()
         self._reads_reasoning = any(f in self.template for f in REASONING_FIELDS)
 
     def render_row(self, row: dict, where: str, row_number: int) -> list[Rendered]:
@@ -270,6 +271,10 @@ class ChatRenderer:
             message.reasoning = think.group(1)
         if self._parts:
             data["content"] = [{"type": "text", "text": data["content"]}]
+        if self._string_arguments:
+            for call in data.get("tool_calls") or []:
+                arguments = call["function"]["arguments"]
+                call["function"]["arguments"] = arguments if isinstance(arguments, str) else json.dumps(arguments)
 
     def _trained_turns(self, messages: list[_Message]) -> set[int]:
         """Indices of the assistant messages whose tokens are trained."""
@@ -290,6 +295,22 @@ class ChatRenderer:
         parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in probe]
         try:
             return REPLY_MARK in self._compiled.render(messages=parts, **self._variables)
+        except TEMPLATE_ERRORS:
+            return False
+
+    def _needs_string_arguments(self) -> bool:
+        """True for templates that concatenate tool-call arguments as a JSON string (DeepSeek-V3) and fail on the
+        mapping the others serialise with tojson."""
+        def probe(arguments: Any) -> list[dict]:
+            call = {"type": "function", "function": {"name": "sft_probe", "arguments": arguments}}
+            return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        try:
+            self._compiled.render(messages=probe({"x": 1}), **self._variables)
+            return False
+        except TEMPLATE_ERRORS:
+            pass
+        try:
+            return "sft_probe" in self._compiled.render(messages=probe('{"x": 1}'), **self._variables)
         except TEMPLATE_ERRORS:
             return False
 

@@ -1,0 +1,284 @@
+"""Trained text of every fixture chat template (../shared/fixtures/templates, the publishers' originals) on four
+conversations: multi-turn with a system prompt, no system prompt, reasoning_content on every answer, and a tool
+call with its result.
+
+The rule (sft/chat.py, docs/design.md): each trained assistant turn is what the model generates after the
+generation prompt, through the token generation stops on. Expected texts are written per family from the
+template's meaning; they are not produced by the code under test. Labels come from the pipeline's own
+sft.encode.Encoding on a real byte-level BPE tokenizer (Qwen2.5's vocabulary) with each family's special tokens
+added, and the stop tokens are those the publisher's generation_config.json declares.
+"""
+
+import copy
+from functools import cache
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from sft.chat import ChatRenderer
+from sft.encode import Encoding
+from sft.errors import SFTError
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+TEMPLATES = SHARED / "templates"
+pytestmark = pytest.mark.skipif(not TEMPLATES.is_dir(), reason=f"fixture chat templates not found at {TEMPLATES} "
+                                "(the shared fixtures live in ../shared next to the repository)")
+
+# family: (special tokens the template writes, bos, eos, stop tokens of generation_config.json's eos_token_id).
+# Stop tokens are the publishers' generation configs on the Hub (not part of the fixtures), by token name:
+FAMILIES = {
+    # CohereForAI c4ai-command-r-v01 / c4ai-command-r7b-12-2024: eos_token_id 255001
+    "cohere": (["<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>",
+                "<|SYSTEM_TOKEN|>"], "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>", ["<|END_OF_TURN_TOKEN|>"]),
+    "cohere2": (["<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>",
+                 "<|SYSTEM_TOKEN|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>"], "<BOS_TOKEN>",
+                "<|END_OF_TURN_TOKEN|>", ["<|END_OF_TURN_TOKEN|>"]),
+    # deepseek-ai DeepSeek-V3 / R1: eos_token_id 1
+    "deepseekv3": (["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
+                    "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+                    "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                    "<｜tool▁output▁end｜>"], "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                   ["<｜end▁of▁sentence｜>"]),
+    # Gemma 4 format: eos_token_id [1, 106, 50] = <eos>, <turn|>, <|tool_response>
+    "diffusion_gemma": (["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>",
+                         "<|tool_response>", "<tool_response|>", "<|tool>", "<tool|>", '<|"|>', "<|think|>"],
+                        "<bos>", "<eos>", ["<eos>", "<turn|>", "<|tool_response>"]),
+    # google gemma-2-*-it: eos_token_id [1, 107]; gemma-3-*-it: [1, 106] (<eos>, <end_of_turn>)
+    "gemma": (["<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", ["<eos>", "<end_of_turn>"]),
+    "gemma3": (["<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", ["<eos>", "<end_of_turn>"]),
+    # zai-org GLM-4.5 / 4.6: eos_token_id [151329, 151336, 151338]
+    "glm4moe": (["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
+                 "</think>", "<tool_call>", "</tool_call>"], None, "<|endoftext|>",
+                ["<|endoftext|>", "<|user|>", "<|observation|>"]),
+    # openai gpt-oss-20b / 120b: eos_token_id [200002, 199999, 200012]
+    "gptoss": (["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"],
+               "<|startoftext|>", "<|return|>", ["<|return|>", "<|endoftext|>", "<|call|>"]),
+    # HuggingFaceM4 Idefics3-8B-Llama3: eos <end_of_utterance>
+    "idefics3": (["<end_of_utterance>", "<image>"], "<|begin_of_text|>", "<end_of_utterance>",
+                 ["<end_of_utterance>"]),
+    # LiquidAI LFM2 / LFM2.5: eos_token_id 7 (<|im_end|>)
+    "lfm2": (["<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>",
+              "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>"], "<|startoftext|>",
+             "<|im_end|>", ["<|im_end|>"]),
+    "lfm2_2_5": (["<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>",
+                  "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>", "<think>", "</think>"],
+                 "<|startoftext|>", "<|im_end|>", ["<|im_end|>"]),
+    # meta-llama Meta-Llama-3-8B-Instruct: [128001, 128009]; Llama-3.1 / 3.2 Instruct: [128001, 128008, 128009]
+    "llama3": (["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>"], "<|begin_of_text|>",
+               "<|eot_id|>", ["<|end_of_text|>", "<|eot_id|>"]),
+    "llama3_1": (["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>",
+                  "<|end_of_text|>"], "<|begin_of_text|>", "<|eot_id|>",
+                 ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]),
+    "llama3_2": (["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>",
+                  "<|end_of_text|>"], "<|begin_of_text|>", "<|eot_id|>",
+                 ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]),
+    # llava-hf llava-v1.6-mistral-7b-hf: eos_token_id 2 (</s>)
+    "llava_next": (["[INST]", "[/INST]", "<image>"], "<s>", "</s>", ["</s>"]),
+    # nvidia Nemotron-3 Nano / Super / Ultra: eos_token_id [2, 11] = </s>, <|im_end|>
+    "nemotron_3_nano": (["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
+                        "<s>", "<|im_end|>", ["</s>", "<|im_end|>"]),
+    "nemotron_3_super": (["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
+                         "<s>", "<|im_end|>", ["</s>", "<|im_end|>"]),
+    "nemotron_3_ultra": (["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
+                         "<s>", "<|im_end|>", ["</s>", "<|im_end|>"]),
+    # microsoft Phi-3-mini-4k-instruct / Phi-3.5-mini-instruct: [32000, 32001, 32007]
+    "phi3": (["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], "<s>", "<|endoftext|>",
+             ["<|endoftext|>", "<|assistant|>", "<|end|>"]),
+    "phi3_5": (["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], "<s>", "<|endoftext|>",
+               ["<|endoftext|>", "<|assistant|>", "<|end|>"]),
+    # Qwen2.5 / Qwen2.5-VL / Qwen3 / Qwen3.5 / Qwen3.6 / Qwen3-VL: [151645, 151643] = <|im_end|>, <|endoftext|>
+    **{name: (["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"], None,
+              "<|im_end|>", ["<|im_end|>", "<|endoftext|>"])
+       for name in ("qwen2_5", "qwen2_5_vl", "qwen3", "qwen3_5_nothink", "qwen3_5_think", "qwen3_6",
+                    "qwen3_instruct_2507", "qwen3_vl")},
+}
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+ASK, ASK_AGAIN = {"role": "user", "content": "What is 2+2?"}, {"role": "user", "content": "And 3+3?"}
+FOUR, SIX = {"role": "assistant", "content": "It is 4."}, {"role": "assistant", "content": "It is 6."}
+WEATHER = {"role": "user", "content": "Weather in Paris?"}
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+RESULT = {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": "Sunny, 20 C"}
+SUNNY = {"role": "assistant", "content": "It is sunny in Paris."}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CONVERSATIONS = {
+    "multi": {"messages": [SYSTEM, ASK, FOUR, ASK_AGAIN, SIX]},
+    "no_system": {"messages": [ASK, FOUR, ASK_AGAIN, SIX]},
+    "reasoning": {"messages": [ASK, dict(FOUR, reasoning_content="Add two and two."), ASK_AGAIN,
+                               dict(SIX, reasoning_content="Add three and three.")]},
+    "tool": {"messages": [WEATHER, CALL, RESULT, SUNNY], "tools": TOOLS},
+}
+
+
+@cache
+def base_tokenizer():
+    """Qwen2.5's byte-level BPE (vocab.json + merges.txt from the fixtures)."""
+    return AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen2.5-coder-3b-instruct")
+
+
+@cache
+def family_tokenizer(name: str):
+    """The byte-level BPE with the family's template, bos/eos and special tokens; and its stop tokens' ids."""
+    specials, bos, eos, stops = FAMILIES[name]
+    tok = copy.deepcopy(base_tokenizer())
+    tok.add_special_tokens({"extra_special_tokens": [t for t in specials + [eos] + stops + [bos] if t]},
+                           replace_extra_special_tokens=True)
+    tok.eos_token, tok.bos_token = eos, bos
+    tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    return tok, tok.convert_tokens_to_ids(stops)
+
+
+def trained_texts(tok, name: str, row: dict, stops: list[int], **options) -> list[str]:
+    """Decoded runs of trained tokens of every example the row renders to, in order."""
+    renderer = ChatRenderer(tok, generation_eos=stops, **options)
+    texts = []
+    for example in renderer.render_row(row, "chat.jsonl", 3):
+        out = Encoding(tok, max_length=10**6).encode([example])
+        ids, labels = out["input_ids"][0], out["labels"][0]
+        run: list[int] = []
+        for token, label in zip(ids + [None], labels + [-100]):
+            if label != -100:
+                run.append(token)
+            elif run:
+                texts.append(tok.decode(run, skip_special_tokens=False))
+                run = []
+    return texts
+
+
+def answers(before: str, end: str) -> list[str]:
+    """Both answers of the multi-turn conversations, each after `before` (what the model writes ahead of the
+    answer) and through `end` (the stop token the turn ends with)."""
+    return [f"{before}It is 4.{end}", f"{before}It is 6.{end}"]
+
+
+def reasoned(open_: str, between: str, end: str) -> list[str]:
+    """Both answers of the reasoning conversation: reasoning after `open_`, then `between`, the answer, `end`."""
+    return [f"{open_}Add two and two.{between}It is 4.{end}", f"{open_}Add three and three.{between}It is 6.{end}"]
+
+
+# Why a conversation is refused: the template raises on it, or renders the turn without what the row holds.
+ALTERNATE = r"chat template rejected the conversation \(TemplateError: Conversation roles must alternate"
+NO_REASONING = r"messages\[1\]: the chat template does not render this assistant message's reasoning"
+NO_CALLS = r"messages\[1\]: the chat template does not render this assistant message's tool_calls"
+QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+XML_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+# Qwen3.5 / 3.6 prompts end "<think>\n" and an answer without reasoning continues "\n</think>\n\n": the first
+# trained token is "\n\n", which holds the prompt's last newline (a token straddling the start is trained).
+OPEN_THINK = "\n\n</think>\n\n"
+
+EXPECTED = {
+    # Cohere: turns end <|END_OF_TURN_TOKEN|>; Cohere2 writes <|END_RESPONSE|> first, which the model also emits.
+    "cohere": {"multi": answers("", "<|END_OF_TURN_TOKEN|>"), "no_system": answers("", "<|END_OF_TURN_TOKEN|>"),
+               "reasoning": NO_REASONING, "tool": ALTERNATE},
+    "cohere2": {"multi": answers("", "<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"),
+                "no_system": answers("", "<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"),
+                "reasoning": NO_REASONING, "tool": ALTERNATE},
+    # DeepSeek-V3/R1: the prompt ends "<｜Assistant｜><think>\n", the rendered turn "<｜Assistant｜>answer": the turn
+    # starts where they differ. Reasoning is cut from every turn; tool calls need string arguments.
+    "deepseekv3": {"multi": answers("", "<｜end▁of▁sentence｜>"), "no_system": answers("", "<｜end▁of▁sentence｜>"),
+                   "reasoning": NO_REASONING,
+                   "tool": ["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                            '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>',
+                            "It is sunny in Paris.<｜end▁of▁sentence｜>"]},
+    # Gemma 4 format: thought channel; a call ends at <|tool_response>, which the model emits to hand over; after
+    # the result the prompt opens no model turn, so the model writes "<|turn>model\n" itself.
+    "diffusion_gemma": {"multi": answers("", "<turn|>"), "no_system": answers("", "<turn|>"),
+                        "reasoning": reasoned("<|channel>thought\n", "\n<channel|>", "<turn|>"),
+                        "tool": ['<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>',
+                                 "<|turn>model\nIt is sunny in Paris.<turn|>"]},
+    "gemma": {"multi": r"TemplateError: System role not supported", "no_system": answers("", "<end_of_turn>"),
+              "reasoning": NO_REASONING, "tool": ALTERNATE},
+    "gemma3": {"multi": answers("", "<end_of_turn>"), "no_system": answers("", "<end_of_turn>"),
+               "reasoning": NO_REASONING, "tool": ALTERNATE},
+    # GLM-4.5: no end-of-turn token; a turn ends with the next role tag the model writes (<|user|>,
+    # <|observation|> after a call), appended to the last turn. Its think block follows the prompt's <|assistant|>.
+    "glm4moe": {"multi": answers("\n<think></think>\n", "<|user|>"),
+                "no_system": answers("\n<think></think>\n", "<|user|>"),
+                "reasoning": reasoned("\n<think>", "</think>\n", "<|user|>"),
+                "tool": ["\n<think></think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+                         "</arg_value>\n</tool_call><|observation|>", "\n<think></think>\nIt is sunny in Paris.<|user|>"]},
+    # GPT-OSS: channels; the final answer ends <|return|> (history turns render <|end|>: each turn is split into
+    # its own example); a call ends <|call|>, so the tool's result is never trained.
+    "gptoss": {"multi": answers("<|channel|>final<|message|>", "<|return|>"),
+               "no_system": answers("<|channel|>final<|message|>", "<|return|>"),
+               "reasoning": reasoned("<|channel|>analysis<|message|>",
+                                     "<|end|><|start|>assistant<|channel|>final<|message|>", "<|return|>"),
+               "tool": [' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+                        "<|channel|>final<|message|>It is sunny in Paris.<|return|>"]},
+    # Idefics3 reads content as typed parts only; "Assistant:" is the prompt, the answer starts with its space.
+    "idefics3": {"multi": answers(" ", "<end_of_utterance>"), "no_system": answers(" ", "<end_of_utterance>"),
+                 "reasoning": NO_REASONING, "tool": NO_CALLS},
+    "lfm2": {"multi": answers("", "<|im_end|>"), "no_system": answers("", "<|im_end|>"),
+             "reasoning": NO_REASONING, "tool": NO_CALLS},
+    "lfm2_2_5": {"multi": answers("", "<|im_end|>"), "no_system": answers("", "<|im_end|>"),
+                 "reasoning": reasoned("<think>", "</think>", "<|im_end|>"),
+                 "tool": ["<|tool_call_start|>[get_weather(city='Paris')]<|tool_call_end|><|im_end|>",
+                          "It is sunny in Paris.<|im_end|>"]},
+    "llama3": {"multi": answers("", "<|eot_id|>"), "no_system": answers("", "<|eot_id|>"),
+               "reasoning": NO_REASONING, "tool": NO_CALLS},
+    "llama3_1": {"multi": answers("", "<|eot_id|>"), "no_system": answers("", "<|eot_id|>"),
+                 "reasoning": NO_REASONING, "tool": [LLAMA_CALL + "<|eot_id|>", "It is sunny in Paris.<|eot_id|>"]},
+    "llama3_2": {"multi": answers("", "<|eot_id|>"), "no_system": answers("", "<|eot_id|>"),
+                 "reasoning": NO_REASONING, "tool": [LLAMA_CALL + "<|eot_id|>", "It is sunny in Paris.<|eot_id|>"]},
+    # LLaVA-Next (Mistral): typed parts only; the answer follows "[/INST]" with a space.
+    "llava_next": {"multi": answers(" ", "</s>"), "no_system": answers(" ", "</s>"), "reasoning": NO_REASONING,
+                   "tool": r"TemplateError: Only user and assistant roles are supported"},
+    # Nemotron-3: the prompt opens "<think>\n"; an answer without reasoning renders "<think></think>": the turn
+    # starts where the two differ, after "<think>".
+    **{name: {"multi": answers("</think>", "<|im_end|>"), "no_system": answers("</think>", "<|im_end|>"),
+              "reasoning": reasoned("", "\n</think>\n", "<|im_end|>"),
+              "tool": ["</think>\n" + XML_CALL + "\n<|im_end|>", "</think>It is sunny in Paris.<|im_end|>"]}
+       for name in ("nemotron_3_nano", "nemotron_3_super")},
+    "nemotron_3_ultra": {"multi": answers("</think>", "<|im_end|>"), "no_system": answers("</think>", "<|im_end|>"),
+                         "reasoning": reasoned("", "</think>", "<|im_end|>"),
+                         "tool": ["</think>\n" + XML_CALL + "\n<|im_end|>", "</think>It is sunny in Paris.<|im_end|>"]},
+    # Phi-3: turns end <|end|>, a stop token of its generation config (the EOS it writes after the last is not).
+    "phi3": {"multi": answers("", "<|end|>"), "no_system": answers("", "<|end|>"), "reasoning": NO_REASONING,
+             "tool": NO_CALLS},
+    "phi3_5": {"multi": answers("", "<|end|>"), "no_system": answers("", "<|end|>"), "reasoning": NO_REASONING,
+               "tool": NO_CALLS},
+    "qwen2_5": {"multi": answers("", "<|im_end|>"), "no_system": answers("", "<|im_end|>"),
+                "reasoning": NO_REASONING, "tool": [QWEN_CALL + "<|im_end|>", "It is sunny in Paris.<|im_end|>"]},
+    "qwen2_5_vl": {"multi": answers("", "<|im_end|>"), "no_system": answers("", "<|im_end|>"),
+                   "reasoning": NO_REASONING, "tool": NO_CALLS},
+    # Qwen3: the final turn always has a think block (empty without reasoning); history turns have none, so each
+    # turn is its own example, trained as the final one.
+    "qwen3": {"multi": answers(EMPTY_THINK, "<|im_end|>"), "no_system": answers(EMPTY_THINK, "<|im_end|>"),
+              "reasoning": reasoned("<think>\n", "\n</think>\n\n", "<|im_end|>"),
+              "tool": [EMPTY_THINK + QWEN_CALL + "<|im_end|>", EMPTY_THINK + "It is sunny in Paris.<|im_end|>"]},
+    # Qwen3.5 without thinking: the prompt holds the empty think block; reasoning data starts after its "<think>\n".
+    "qwen3_5_nothink": {"multi": answers("", "<|im_end|>"), "no_system": answers("", "<|im_end|>"),
+                        "reasoning": reasoned("", "\n</think>\n\n", "<|im_end|>"),
+                        "tool": [XML_CALL + "<|im_end|>", "It is sunny in Paris.<|im_end|>"]},
+    **{name: {"multi": answers(OPEN_THINK, "<|im_end|>"), "no_system": answers(OPEN_THINK, "<|im_end|>"),
+              "reasoning": reasoned("", "\n</think>\n\n", "<|im_end|>"),
+              "tool": [OPEN_THINK + XML_CALL + "<|im_end|>", OPEN_THINK + "It is sunny in Paris.<|im_end|>"]}
+       for name in ("qwen3_5_think", "qwen3_6")},
+    "qwen3_instruct_2507": {"multi": answers("", "<|im_end|>"), "no_system": answers("", "<|im_end|>"),
+                            "reasoning": NO_REASONING,
+                            "tool": [QWEN_CALL + "<|im_end|>", "It is sunny in Paris.<|im_end|>"]},
+    "qwen3_vl": {"multi": answers("", "<|im_end|>"), "no_system": answers("", "<|im_end|>"),
+                 "reasoning": NO_REASONING, "tool": [QWEN_CALL + "<|im_end|>", "It is sunny in Paris.<|im_end|>"]},
+}
+
+
+def test_every_fixture_template_is_covered():
+    assert sorted(EXPECTED) == sorted(p.stem for p in TEMPLATES.glob("*.jinja")) == sorted(FAMILIES)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("kind", list(CONVERSATIONS))
+def test_trained_text_is_what_the_model_generates(name, kind):
+    tok, stops = family_tokenizer(name)
+    expected = EXPECTED[name][kind]
+    if isinstance(expected, str):  # refused, with one line naming the row and the reason
+        with pytest.raises(SFTError, match=r"^Dataset chat\.jsonl, row 3\b.*" + expected) as error:
+            trained_texts(tok, name, CONVERSATIONS[kind], stops)
+        assert "\n" not in str(error.value)
+    else:
+        assert trained_texts(tok, name, CONVERSATIONS[kind], stops) == expected
