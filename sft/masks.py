@@ -7,6 +7,8 @@ from transformers import PreTrainedTokenizerBase
 IGNORE_INDEX = -100
 GREEN, RESET = "\033[1;32m", "\033[0m"  # bold green for trained text; plain for context
 OPEN, CLOSE = "[[", "]]"  # the same marks for log files and pipes
+# Trained chat pieces shown apart from the answer: colour on a terminal, a named mark elsewhere.
+KIND_COLORS = {"reasoning": "\033[1;35m", "channel": "\033[1;36m", "tool_call": "\033[1;33m"}
 
 
 def show_examples(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: int, color: bool,
@@ -29,21 +31,39 @@ def _show_pair(example: dict, tokenizer: PreTrainedTokenizerBase, number: int, c
 def _show_one(example: dict, tokenizer: PreTrainedTokenizerBase, number: int, count: int, color: bool) -> str:
     """One example: a header with counts, the marked text, and the size of each trained run."""
     ids, labels = list(example["input_ids"]), list(example["labels"])
-    runs = _runs([label != IGNORE_INDEX for label in labels])
+    marks = _token_marks(labels, example.get("kinds") or [])
+    runs = _runs(marks)
     pieces = _run_texts(ids, runs, tokenizer)
-    trained_runs = [(end - start) for (start, end, trained) in runs if trained]
+    trained_runs = _run_sizes(marks)
     trained = sum(trained_runs)
     share = f"{100 * trained / len(ids):.1f}%" if ids else "0%"
     header = f"=== example {number}/{count}: {len(ids)} tokens, {trained} trained ({share}) ==="
-    body = "".join(_mark(text, color) if run[2] else text for run, text in zip(runs, pieces))
+    body = "".join(_mark(text, color, run[2]) if run[2] else text for run, text in zip(runs, pieces))
     legend = "trained tokens per turn: " + (", ".join(f"#{k} {size}" for k, size in enumerate(trained_runs, 1))
                                             if trained_runs else "none")
-    return f"{header}\n{body}\n--- {legend}"
+    kinds = sorted({m for m in marks if m in KIND_COLORS})
+    key = f" (marked apart: {', '.join(kinds)})" if kinds else ""
+    return f"{header}\n{body}\n--- {legend}{key}"
 
 
-def _runs(flags: list[bool]) -> list[tuple[int, int, bool]]:
-    """Maximal runs [start, end) of equal flags; each contiguous trained run is one turn (or completion)."""
-    runs: list[tuple[int, int, bool]] = []
+def _token_marks(labels: list[int], kinds: list) -> list[str]:
+    """Per token: "" (context), "trained", or the kind of a trained chat piece (reasoning, channel, tool_call)."""
+    marks = ["trained" if label != IGNORE_INDEX else "" for label in labels]
+    for first, end, kind in kinds:
+        if kind in KIND_COLORS:
+            for i in range(first, min(end, len(marks))):
+                marks[i] = kind if marks[i] else ""
+    return marks
+
+
+def _run_sizes(marks: list[str]) -> list[int]:
+    """Sizes of the maximal runs of trained tokens, whatever their kind (each run is one turn or completion)."""
+    return [end - start for start, end, trained in _runs([bool(m) for m in marks]) if trained]
+
+
+def _runs(flags: list) -> list[tuple[int, int, Any]]:
+    """Maximal runs [start, end) of equal flags."""
+    runs: list[tuple[int, int, Any]] = []
     for i, flag in enumerate(flags):
         if runs and runs[-1][2] == flag:
             runs[-1] = (runs[-1][0], i + 1, flag)
@@ -65,8 +85,10 @@ def _run_texts(ids: list[int], runs: list[tuple[int, int, bool]], tokenizer: Pre
     return texts
 
 
-def _mark(text: str, color: bool) -> str:
-    """Highlight trained text; colour is reset before each newline so a terminal does not bleed it."""
+def _mark(text: str, color: bool, kind: str = "trained") -> str:
+    """Highlight trained text (a named mark for reasoning, channel and tool-call pieces); colour is reset before
+    each newline so a terminal does not bleed it."""
     if color:
-        return GREEN + text.replace("\n", f"{RESET}\n{GREEN}") + RESET
-    return OPEN + text + CLOSE
+        start = KIND_COLORS.get(kind, GREEN)
+        return start + text.replace("\n", f"{RESET}\n{start}") + RESET
+    return OPEN + (f"{kind}: " if kind in KIND_COLORS else "") + text + CLOSE

@@ -25,6 +25,9 @@ class DataStats:
     max_length: int
     packed_rows: int | None = None
     packing_efficiency: float | None = None
+    reasoning_tokens: int | None = None  # chat data: trained tokens inside reasoning blocks
+    history: str | None = None  # chat data: the `history` policy for templates that render history differently
+    split_rows: int | None = None  # chat data: extra examples that policy made (history: split)
 
     def as_dict(self) -> dict:
         """JSON-ready mapping (the `sft data --json` keys)."""
@@ -38,7 +41,9 @@ class DataStats:
         return "\n".join(lines)
 
 
-def _fmt(key: str, value: float | int) -> str:
+def _fmt(key: str, value: float | int | str) -> str:
+    if isinstance(value, str):
+        return value
     if key == "packing_efficiency":
         return f"{value:.2%}"
     return f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
