@@ -155,9 +155,10 @@ class ChatRenderer:
             inside, outside = {max(turns): turns[max(turns)]}, []
             text = turns[max(turns)].text
         examples = [_example(turns[i].text, [turns[i]]) for i in outside]  # earlier turns first: turn order
-        for extra in examples[1 if not inside else 0:]:
+        examples += [_example(text, list(inside.values()))] if inside else []
+        for extra in examples[1:]:
             extra.split = True  # the row's examples beyond the first, counted by `sft data`
-        return examples + ([_example(text, list(inside.values()))] if inside else [])
+        return examples
 
     def _turn(self, messages: list[_Message], tools: list[dict] | None, i: int, text: str, ctx: _Row) -> _Turn:
         """Assistant turn i rendered as the last message: what the model generates after the generation prompt."""

@@ -282,3 +282,111 @@ def test_trained_text_is_what_the_model_generates(name, kind):
         assert "\n" not in str(error.value)
     else:
         assert trained_texts(tok, name, CONVERSATIONS[kind], stops) == expected
+
+
+def test_tool_results_are_never_trained():
+    rendering = [name for name, kinds in EXPECTED.items() if not isinstance(kinds["tool"], str)]
+    assert len(rendering) == 17
+    for name in rendering:
+        tok, stops = family_tokenizer(name)
+        assert not any(RESULT["content"] in text for text in trained_texts(tok, name, CONVERSATIONS["tool"], stops))
+    # Negative control: the check can see the result once it is trained (the whole text, assistant_only_loss off).
+    tok, stops = family_tokenizer("gptoss")
+    whole = trained_texts(tok, "gptoss", CONVERSATIONS["tool"], stops, assistant_only_loss=False)
+    assert any(RESULT["content"] in text for text in whole)
+
+
+def test_history_policies_on_a_template_that_drops_earlier_think_blocks():
+    tok, stops = family_tokenizer("qwen3")
+    row = CONVERSATIONS["multi"]
+    examples = ChatRenderer(tok, generation_eos=stops).render_row(row, "chat.jsonl", 3)
+    assert [e.split for e in examples] == [False, True]
+    # the first answer in the context it has at inference: nothing after it, its think block in place
+    assert examples[0].text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nIt is 4.<|im_end|>\n")
+    assert "<|im_start|>assistant\nIt is 4.<|im_end|>" in examples[1].text  # history form in the whole rendering
+    assert trained_texts(tok, "qwen3", row, stops, history="last") == [EMPTY_THINK + "It is 6.<|im_end|>"]
+    with pytest.raises(SFTError, match=r"row 3, messages\[2\]: .*\(history: error\)\. Set `history: split`"):
+        trained_texts(tok, "qwen3", row, stops, history="error")
+    # Negative control: a prefix-preserving template keeps the row one example under every policy.
+    tok, stops = family_tokenizer("qwen2_5")
+    assert len(ChatRenderer(tok, generation_eos=stops, history="error").render_row(row, "chat.jsonl", 3)) == 1
+
+
+def reasoning_row(**fields) -> dict:
+    """The reasoning conversation with its reasoning under other names."""
+    first, second = (dict(m) for m in CONVERSATIONS["reasoning"]["messages"][1::2])
+    for message in (first, second):
+        reasoning = message.pop("reasoning_content")
+        message.update({key: reasoning if value is None else value.format(reasoning, message["content"])
+                        for key, value in fields.items()})
+    return {"messages": [ASK, first, ASK_AGAIN, second]}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm4moe", "gptoss", "lfm2_2_5", "nemotron_3_nano"])
+def test_reasoning_under_any_name_trains_the_same(name):
+    tok, stops = family_tokenizer(name)
+    expected = EXPECTED[name]["reasoning"]
+    assert trained_texts(tok, name, reasoning_row(thinking=None), stops) == expected
+    assert trained_texts(tok, name, reasoning_row(content="<think>\n{0}\n</think>\n\n{1}"), stops) == expected
+
+
+def test_think_block_in_content_of_a_template_without_reasoning():
+    tok, stops = family_tokenizer("qwen2_5")  # renders content verbatim: the block is trained as written
+    row = reasoning_row(content="<think>{0}</think>{1}")
+    assert trained_texts(tok, "qwen2_5", row, stops) == reasoned("<think>", "</think>", "<|im_end|>")
+    tok, stops = family_tokenizer("deepseekv3")  # cuts everything before </think> from the content: refused
+    with pytest.raises(SFTError, match=NO_REASONING):
+        trained_texts(tok, "deepseekv3", row, stops)
+
+
+def labelled(example) -> list[tuple[str, str]]:
+    """(kind, text) of each labelled piece of an example's trained turns."""
+    return [(kind, example.text[start:end]) for start, end, kind in example.kinds]
+
+
+def test_pieces_of_a_turn_are_labelled():
+    tok, stops = family_tokenizer("gptoss")
+    first = ChatRenderer(tok, generation_eos=stops).render_row(CONVERSATIONS["reasoning"], "chat.jsonl", 3)[0]
+    assert labelled(first) == [("channel", "<|channel|>analysis<|message|>"), ("reasoning", "Add two and two."),
+                               ("channel", "<|end|><|start|>assistant<|channel|>final<|message|>"),
+                               ("answer", "It is 4."), ("end", "<|return|>")]
+    call = ChatRenderer(tok, generation_eos=stops).render_row(CONVERSATIONS["tool"], "chat.jsonl", 3)[0]
+    assert labelled(call)[:2] == [
+        ("tool_call", 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'),
+        ("end", "<|call|>")]
+    tok, stops = family_tokenizer("qwen3")
+    call = ChatRenderer(tok, generation_eos=stops).render_row(CONVERSATIONS["tool"], "chat.jsonl", 3)[0]
+    assert labelled(call) == [("reasoning", "<think>\n\n</think>"), ("tool_call", QWEN_CALL), ("end", "<|im_end|>")]
+
+
+def test_show_marks_reasoning_channel_and_tool_call_apart():
+    from sft.masks import show_examples
+
+    tok, stops = family_tokenizer("gptoss")
+    examples = ChatRenderer(tok, generation_eos=stops).render_row(CONVERSATIONS["reasoning"], "chat.jsonl", 3)
+    encoded = Encoding(tok, max_length=10**6).encode(examples[:1])
+    example = {key: encoded[key][0] for key in ("input_ids", "labels", "kinds")}
+    shown = show_examples([example], tok, 1, color=False)
+    assert ("[[channel: <|channel|>analysis<|message|>]][[reasoning: Add two and two.]]"
+            "[[channel: <|end|><|start|>assistant<|channel|>final<|message|>]][[It is 4.<|return|>]]") in shown
+    assert "(marked apart: channel, reasoning)" in shown
+    plain = show_examples([{"input_ids": example["input_ids"], "labels": example["labels"]}], tok, 1, color=False)
+    assert "[[<|channel|>analysis<|message|>Add two and two.<|end|>" in plain  # without kinds: one trained run
+    assert encoded["reasoning"] == [len(tok("Add two and two.", add_special_tokens=False)["input_ids"])]
+
+
+@pytest.mark.parametrize("kind", ["multi", "tool"])
+def test_generation_block_mask_agrees_except_the_newline_after_the_stop(kind):
+    """LFM2.5 marks {% generation %} through "<|im_end|>\\n"; generation stops at <|im_end|>, so sft does not
+    train the newline. Everything else agrees with transformers' return_assistant_tokens_mask."""
+    tok, stops = family_tokenizer("lfm2_2_5")
+    row = CONVERSATIONS[kind]
+    [example] = ChatRenderer(tok, generation_eos=stops).render_row(row, "chat.jsonl", 3)
+    out = Encoding(tok, max_length=10**6).encode([example])
+    ids, labels = out["input_ids"][0], out["labels"][0]
+    theirs = tok.apply_chat_template(row["messages"], tools=row.get("tools"), tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+    assert theirs["input_ids"] == ids
+    differ = [i for i, (mask, label) in enumerate(zip(theirs["assistant_masks"], labels)) if mask != (label != -100)]
+    assert differ and all(theirs["assistant_masks"][i] and tok.decode(ids[i]) == "\n" and
+                          tok.decode(ids[i - 1]) == "<|im_end|>" for i in differ)
