@@ -41,6 +41,7 @@ NO_ASSISTANT_TURN = ("error", "drop")
 HISTORY = ("split", "last", "error")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names reasoning traces come under
 THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written inside the content
+READS_REASONING = re.compile(r"reasoning_content|\.thinking\b|\[['\"]thinking['\"]\]")  # a template reading it
 # What rendering odd data can raise: raise_exception / undefined names (jinja2), str + None, a missing index, ...
 TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
@@ -121,7 +122,7 @@ class ChatRenderer:
         self._stop = _alternation(self.stops)
         self._parts = self._needs_text_parts()
         self._string_arguments = self._needs_string_arguments()
-        self._reads_reasoning = any(f in self.template for f in REASONING_FIELDS)
+        self._reads_reasoning = bool(READS_REASONING.search(self.template))
 
     def render_row(self, row: dict, where: str, row_number: int) -> list[Rendered]:
         """The row's examples: usually one; one per trained turn the template renders differently in history
@@ -496,7 +497,8 @@ def _sharegpt_messages(turns: list, ctx: _Row) -> list[_Message]:
             raise ctx.error(f"unknown `from` value {speaker!r}; expected one of {', '.join(SHAREGPT_ROLES)}",
                             "Fix the turn or map it to one of these names.", label)
         role, value = SHAREGPT_ROLES[speaker], turn.get("value")
-        raw: dict[str, Any] = {"role": role, "content": value, "train": turn.get("train"), "weight": turn.get("weight")}
+        raw: dict[str, Any] = {"role": role, "content": value, "train": turn.get("train"), "weight": turn.get("weight"),
+                               **{key: turn.get(key) for key in REASONING_FIELDS}}
         if speaker == "function_call":
             call = _sharegpt_call(value, f"call{k:05d}", label, ctx)  # 9-character ids, as Mistral v0.3 needs
             raw.update(content=None, tool_calls=[call])

@@ -390,3 +390,32 @@ def test_generation_block_mask_agrees_except_the_newline_after_the_stop(kind):
     differ = [i for i, (mask, label) in enumerate(zip(theirs["assistant_masks"], labels)) if mask != (label != -100)]
     assert differ and all(theirs["assistant_masks"][i] and tok.decode(ids[i]) == "\n" and
                           tok.decode(ids[i - 1]) == "<|im_end|>" for i in differ)
+
+
+def test_sft_data_reports_reasoning_tokens_and_split_rows(tmp_path, capsys):
+    import json
+
+    import yaml
+    from transformers import GenerationConfig, LlamaConfig
+
+    from sft.cli import main
+
+    tok, stops = family_tokenizer("qwen3")
+    model = tmp_path / "model"
+    tok.save_pretrained(model)
+    LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4).save_pretrained(model)
+    GenerationConfig(eos_token_id=stops).save_pretrained(model)  # the stop tokens come from here
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(CONVERSATIONS[k]) for k in ("reasoning", "multi")), encoding="utf-8")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": str(model), "dataset": str(data),
+                                      "output_dir": str(tmp_path / "run"), "max_length": 512}), encoding="utf-8")
+    assert main(["data", str(recipe), "--json"]) in (0, None)
+    stats = json.loads(capsys.readouterr().out)
+    pieces = ["<think>\nAdd two and two.\n</think>", "<think>\nAdd three and three.\n</think>"] + 2 * ["<think>\n\n</think>"]
+    assert stats["reasoning_tokens"] == sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in pieces)
+    assert (stats["rows"], stats["history"], stats["split_rows"]) == (4, "split", 2)  # each row's first turn split
+    assert main(["data", str(recipe), "--show", "1"]) in (0, None)
+    shown = capsys.readouterr().out
+    assert "[[reasoning: <think>\nAdd two and two.\n</think>]]" in shown and "history" in shown
