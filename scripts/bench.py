@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs per tool and setting; the median is reported")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", help="also write the results as JSON to this file")
+    parser.add_argument("--chat", action="store_true", help="only time chat tokenization (render + encode) of the "
+                        "real ShareGPT and tool-call fixtures with the Qwen2.5 tokenizer")
     parser.add_argument("--worker", choices=("sft", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
@@ -275,6 +277,30 @@ def bare_tokenizer_rows_per_s(workdir: Path) -> float:
     return len(texts) / (time.perf_counter() - start)
 
 
+def chat_rows_per_s(repeats: int) -> dict[str, float]:
+    """Chat preprocessing speed: every row of two real chat fixtures rendered through the tokenizer's template
+    (assistant spans located) and tokenized with labels, median rows/s over `repeats` passes."""
+    sys.path.insert(0, str(REPO))
+    from transformers import AutoTokenizer
+
+    from sft.chat import ChatRenderer
+    from sft.encode import Encoding
+
+    chat = FIXTURES / "datasets" / "chat"
+    tokenizer = AutoTokenizer.from_pretrained(FIXTURES / "tokenizers" / "qwen2.5-coder-3b-instruct")
+    renderer, encoding = ChatRenderer(tokenizer), Encoding(tokenizer, 4096)
+    results = {}
+    for name in ("fastchat_dummy_conversation.json", "llamafactory_glaive_toolcall_en_demo.json"):
+        rows = json.loads((chat / name).read_text())
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            encoding.encode([e for number, row in enumerate(rows, 1) for e in renderer.render_row(row, name, number)])
+            seconds.append(time.perf_counter() - start)
+        results[name] = len(rows) / statistics.median(seconds)
+    return results
+
+
 def table(results: dict) -> str:
     peak = results["peak_flops"]
     lines = [f"matmul peak measured: {peak / 1e9:.1f} GFLOP/s; bare tokenizer: {results['bare_rows_per_s']:,.0f} rows/s",
@@ -308,6 +334,9 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.chat:
+        print(json.dumps(chat_rows_per_s(args.repeats)))
+        return
     if args.worker:
         print(json.dumps(worker(args)))
         return
