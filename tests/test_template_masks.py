@@ -182,8 +182,8 @@ EXPECTED = {
     # starts where they differ. Reasoning is cut from every turn; tool calls need string arguments.
     "deepseekv3": {"multi": answers("", "<｜end▁of▁sentence｜>"), "no_system": answers("", "<｜end▁of▁sentence｜>"),
                    "reasoning": NO_REASONING,
-                   "tool": ["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
-                            '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>',
+                   "tool": [("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                             '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>'),
                             "It is sunny in Paris.<｜end▁of▁sentence｜>"]},
     # Gemma 4 format: thought channel; a call ends at <|tool_response>, which the model emits to hand over; after
     # the result the prompt opens no model turn, so the model writes "<|turn>model\n" itself.
@@ -200,8 +200,9 @@ EXPECTED = {
     "glm4moe": {"multi": answers("\n<think></think>\n", "<|user|>"),
                 "no_system": answers("\n<think></think>\n", "<|user|>"),
                 "reasoning": reasoned("\n<think>", "</think>\n", "<|user|>"),
-                "tool": ["\n<think></think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
-                         "</arg_value>\n</tool_call><|observation|>", "\n<think></think>\nIt is sunny in Paris.<|user|>"]},
+                "tool": [("\n<think></think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+                          "</arg_value>\n</tool_call><|observation|>"),
+                         "\n<think></think>\nIt is sunny in Paris.<|user|>"]},
     # GPT-OSS: channels; the final answer ends <|return|> (history turns render <|end|>: each turn is split into
     # its own example); a call ends <|call|>, so the tool's result is never trained.
     "gptoss": {"multi": answers("<|channel|>final<|message|>", "<|return|>"),
@@ -413,7 +414,8 @@ def test_sft_data_reports_reasoning_tokens_and_split_rows(tmp_path, capsys):
                                       "output_dir": str(tmp_path / "run"), "max_length": 512}), encoding="utf-8")
     assert main(["data", str(recipe), "--json"]) in (0, None)
     stats = json.loads(capsys.readouterr().out)
-    pieces = ["<think>\nAdd two and two.\n</think>", "<think>\nAdd three and three.\n</think>"] + 2 * ["<think>\n\n</think>"]
+    pieces = ["<think>\nAdd two and two.\n</think>", "<think>\nAdd three and three.\n</think>",
+              "<think>\n\n</think>", "<think>\n\n</think>"]
     assert stats["reasoning_tokens"] == sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in pieces)
     assert (stats["rows"], stats["history"], stats["split_rows"]) == (4, "split", 2)  # each row's first turn split
     assert main(["data", str(recipe), "--show", "1"]) in (0, None)
