@@ -421,3 +421,27 @@ def test_sft_data_reports_reasoning_tokens_and_split_rows(tmp_path, capsys):
     assert main(["data", str(recipe), "--show", "1"]) in (0, None)
     shown = capsys.readouterr().out
     assert "[[reasoning: <think>\nAdd two and two.\n</think>]]" in shown and "history" in shown
+
+
+@pytest.mark.parametrize("name", ["gptoss", "qwen3", "glm4moe", "llama3_1", "nemotron_3_nano"])
+def test_real_tool_call_data_trains_calls_and_answers_never_results(name):
+    """40 real glaive conversations (ShareGPT function_call / observation turns): every call and answer is
+    trained exactly once, ends at a stop token, and no tool result is ever trained."""
+    import json
+
+    rows = json.loads((SHARED / "datasets/chat/llamafactory_glaive_toolcall_en_demo.json").read_text())[:40]
+    tok, stops = family_tokenizer(name)
+    renderer = ChatRenderer(tok, generation_eos=stops)
+    stop_texts = tok.convert_ids_to_tokens(stops)
+    for number, row in enumerate(rows, 1):
+        turns = [t for t in row["conversations"] if t["from"] in ("gpt", "function_call")]
+        results = [t["value"] for t in row["conversations"] if t["from"] == "observation"]
+        examples = renderer.render_row(row, "glaive.json", number)
+        pieces = [e.text[start:end] for e in examples for start, end in e.spans]
+        assert len(pieces) == len(turns)
+        for piece in pieces:
+            assert piece.endswith(tuple(stop_texts))
+            assert not any(result.strip() in piece for result in results)
+        for turn in turns:
+            marker = json.loads(turn["value"])["name"] if turn["from"] == "function_call" else turn["value"].strip()
+            assert sum(marker in piece for piece in pieces) >= 1
