@@ -193,7 +193,8 @@ def generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, config: GenerationConfig) -> set[int]:
     """Ids of the tokens generation stops on (sft.chat_templates.stop_tokens: the same that end trained turns)."""
-    return set(tokenizer.convert_tokens_to_ids(stop_tokens(tokenizer, None, config.eos_token_id)))
+    vocab = tokenizer.get_vocab()  # a template's end marker that this vocabulary splits into pieces has no id
+    return {vocab[token] for token in stop_tokens(tokenizer, None, config.eos_token_id) if token in vocab}
 
 
 def chat(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase, options: GenerationOptions,

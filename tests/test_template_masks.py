@@ -445,3 +445,17 @@ def test_real_tool_call_data_trains_calls_and_answers_never_results(name):
         for turn in turns:
             marker = json.loads(turn["value"])["name"] if turn["from"] == "function_call" else turn["value"].strip()
             assert sum(marker in piece for piece in pieces) >= 1
+
+
+def test_stop_tokens_come_from_eos_and_the_generation_config():
+    from sft.chat_templates import stop_tokens
+
+    tok, stops = family_tokenizer("cohere2")
+    assert stop_tokens(tok, None, stops) == stop_tokens(tok) == ["<|END_OF_TURN_TOKEN|>"]  # not <|END_RESPONSE|>
+    tok, stops = family_tokenizer("gptoss")
+    assert stop_tokens(tok, None, stops) == ["<|return|>", "<|endoftext|>", "<|call|>"]
+    # Negative control: without the publisher's list, history turns' <|end|> would be taken for the turn end.
+    assert stop_tokens(tok) == ["<|return|>", "<|end|>"]
+    tok, stops = family_tokenizer("glm4moe")  # no end-of-turn token: the next role tag the template writes
+    assert stop_tokens(tok) == ["<|endoftext|>", "<|user|>"]
+    assert stop_tokens(tok, None, stops) == ["<|endoftext|>", "<|user|>", "<|observation|>"]
