@@ -145,6 +145,8 @@ def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
            type(tokenizer).__name__]
     fields = [decided.format, decided.completion_only_loss, type(encoding).__name__,
               *(str(getattr(config, name)) for name in CACHE_FIELDS)]
+    if decided.format in CHAT_FORMATS or decided.format == "prompt_completion":  # chat turns end at these stops
+        fields.append(str(templates_module.generation_eos(config.model_name_or_path)))
     return Hasher.hash([raw._fingerprint, tok, fields, code])
 
 
