@@ -1,7 +1,7 @@
 """What `sft data` reports: statistics of a recipe's training data and, on request, rendered examples."""
 
 from sft.config import SFTConfig
-from sft.dataset import make_renderer, prepare_splits, resolve_format
+from sft.dataset import SourceFormat, make_renderer, prepare_splits, resolve_format
 from sft.encode import Encoding
 from sft.formats import CHAT_FORMATS, Rendered
 from sft.model import is_encoder_decoder, load_tokenizer
@@ -15,7 +15,7 @@ def describe_data(config: SFTConfig, show: int = 0, color: bool = False) -> tupl
     train, _ = prepare_splits(config, tokenizer)
     stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows,
                           config.packing_strategy if config.packing else None)
-    if config.dataset_format in CHAT_FORMATS or train.reasoning_tokens or train.split_rows:
+    if any(s.format in CHAT_FORMATS for s in train.sources) or train.reasoning_tokens or train.split_rows:
         stats.reasoning_tokens, stats.history, stats.split_rows = (train.reasoning_tokens, config.history,
                                                                    train.split_rows)
     if not show:
@@ -34,8 +34,8 @@ def _chat_examples(config: SFTConfig, tokenizer, count: int) -> list[dict] | Non
     fmt = resolve_format(config, raw.column_names, source.label)
     if fmt not in CHAT_FORMATS:
         return None
-    render, encoding = make_renderer(config, fmt, tokenizer, raw), Encoding(tokenizer, config.max_length,
-                                                                            config.truncation_side)
+    render = make_renderer(config, SourceFormat(source.label, fmt, False), tokenizer, raw)
+    encoding = Encoding(tokenizer, config.max_length, config.truncation_side)
     rows: list[Rendered] = []
     for number in range(len(raw)):
         if len(rows) >= count:
