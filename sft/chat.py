@@ -41,6 +41,7 @@ NO_ASSISTANT_TURN = ("error", "drop")
 HISTORY = ("split", "last", "error")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names reasoning traces come under
 THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written inside the content
+EMPTY_THINK = re.compile(r"<think>\s*</think>")  # what reasoning templates write for a turn without reasoning
 READS_REASONING = re.compile(r"reasoning_content|\.thinking\b|\[['\"]thinking['\"]\]")  # a template reading it
 # What rendering odd data can raise: raise_exception / undefined names (jinja2), str + None, a missing index, ...
 TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
@@ -343,12 +344,16 @@ def _kinds(text: str, start: int, stop: int, end: int, message: _Message) -> lis
     """Labelled pieces of a trained turn [start, end): reasoning, answer, tool_call, channel (other markup the
     model writes: <|channel|>final<|message|>, <|END_RESPONSE|>, ...) and end (the stop token)."""
     marks = [(stop, end, "end")]
+    answer = message.answer.strip()
+    generated = text[start:stop]
+    if answer and generated.strip() == answer and not message.reasoning and not message.data.get("tool_calls"):
+        at = text.find(answer, start, stop)  # the common turn: its answer and the stop token, nothing else
+        return [(at, at + len(answer), "answer")] + marks
     cursor = start
     reasoning = _reasoning_span(text, start, stop, message.reasoning.strip())
     if reasoning:
         marks.append((*reasoning, "reasoning"))
         cursor = reasoning[1]
-    answer = message.answer.strip()
     at = text.find(answer, cursor, stop) if answer else -1
     if at >= 0:
         marks.append((at, at + len(answer), "answer"))
@@ -374,7 +379,7 @@ def _reasoning_span(text: str, start: int, stop: int, reasoning: str) -> tuple[i
         closing = text.find("</think>", at + len(reasoning), stop)
         return (opening if opening >= 0 else at,
                 closing + len("</think>") if closing >= 0 else at + len(reasoning))
-    block = re.compile(r"<think>\s*</think>").search(text, start, stop)
+    block = EMPTY_THINK.search(text, start, stop)
     return block.span() if block else None
 
 
@@ -498,7 +503,7 @@ def _sharegpt_messages(turns: list, ctx: _Row) -> list[_Message]:
                             "Fix the turn or map it to one of these names.", label)
         role, value = SHAREGPT_ROLES[speaker], turn.get("value")
         raw: dict[str, Any] = {"role": role, "content": value, "train": turn.get("train"), "weight": turn.get("weight"),
-                               **{key: turn.get(key) for key in REASONING_FIELDS}}
+                               **{key: turn[key] for key in REASONING_FIELDS if key in turn}}
         if speaker == "function_call":
             call = _sharegpt_call(value, f"call{k:05d}", label, ctx)  # 9-character ids, as Mistral v0.3 needs
             raw.update(content=None, tool_calls=[call])

@@ -8,6 +8,7 @@ from transformers import PreTrainedTokenizerBase
 from sft.formats import Rendered
 
 IGNORE_INDEX = -100
+MARKED = ("reasoning", "channel", "tool_call")  # chat pieces whose tokens are counted and shown apart
 
 
 @dataclass
@@ -20,7 +21,7 @@ class Encoding:
 
     def encode(self, rows: list[Rendered]) -> dict[str, list]:
         """Tokenize a batch; per row: input_ids, labels, length, truncated, trained and reasoning (token counts),
-        split (an extra example of a chat row), kinds (token runs [first, last) of each labelled chat piece) and
+        split (an extra example of a chat row), kinds (token runs [first, last) of the MARKED chat pieces) and
         answer_offset."""
         out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "truncated": [], "trained": [],
                                 "answer_offset": [], "reasoning": [], "split": [], "kinds": []}
@@ -46,7 +47,7 @@ class Encoding:
                 labels.append(IGNORE_INDEX)
             if row.spans:  # trained once, whoever appended it: the tokenizer's EOS has no characters in any span
                 labels[-1] = eos
-        kinds = [(*_token_run(alignment, start, end), kind) for start, end, kind in row.kinds]
+        kinds = [(*_token_run(alignment, start, end), kind) for start, end, kind in row.kinds if kind in MARKED]
         shift = max(len(ids) - self.max_length, 0) if self.truncation_side == "left" else 0
         ids, labels, cut = self._truncate(ids, labels)
         kinds = [(max(a - shift, 0), min(b - shift, len(ids)), kind) for a, b, kind in kinds if b - shift > 0]
