@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.debug = debug
     if args.verb is None:
         parser.print_help()
         return 0
@@ -75,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_recipe_verb(verbs, "eval", "teacher-forced eval loss (and perplexity) of a recipe's model on its eval set",
                     run_eval)
     add_inference_verbs(verbs)
-    add_recipe_verb(verbs, "check", "dry-run a recipe on CPU with a tiny model of its architecture", run_check)
+    check = add_recipe_verb(verbs, "check", "dry-run a recipe on CPU with a tiny model of its architecture", run_check)
+    check.add_argument("--prove", action="store_true", help="prove masks, packing, batching, resume, save/load and "
+                       "generation eval on the recipe's data and template (exit 1 when a proof fails)")
+    check.add_argument("--rows", type=int, default=32, metavar="N", help="rows the mask proof samples (default 32)")
+    check.add_argument("--json", action="store_true", help="with --prove: one JSON object per proof")
     add_launch_verb(verbs)
     add_plan_verb(verbs)
     listing = verbs.add_parser("recipes", help="list the shipped recipes")
@@ -258,11 +263,20 @@ def run_recipes(args: argparse.Namespace, rest: list[str]) -> None:
     print(recipes_table(list_recipes(Path(args.dir) if args.dir else None)))
 
 
-def run_check(args: argparse.Namespace, rest: list[str]) -> None:
-    """sft check RECIPE [--key value ...]"""
-    from sft.check import check_recipe
+def run_check(args: argparse.Namespace, rest: list[str]) -> int:
+    """sft check RECIPE [--prove [--rows N] [--json]] [--key value ...]"""
+    if not args.prove:
+        from sft.check import check_recipe
 
-    print(check_recipe(args.recipe, flags=rest).table())
+        print(check_recipe(args.recipe, flags=rest).table())
+        return 0
+    import json
+
+    from sft.prove import prove_recipe
+
+    proofs = prove_recipe(args.recipe, flags=rest, rows=args.rows, debug=args.debug)
+    print(json.dumps([p.as_dict() for p in proofs], indent=2) if args.json else "\n".join(p.line() for p in proofs))
+    return 1 if any(p.passed is False for p in proofs) else 0
 
 
 def add_plan_verb(verbs: argparse._SubParsersAction) -> None:

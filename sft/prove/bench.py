@@ -1,0 +1,134 @@
+"""The bench the proofs run on: the recipe's settings, its data sample and tokenizer, a tiny model of its
+architecture (all through `sft check`'s pieces), and the trainers the proofs drive."""
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any, Callable
+
+import datasets
+import torch
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from sft.check import CheckReport, cpu_overrides, sample_data, tiny_model
+from sft.config import SFTConfig
+from sft.dataset import make_renderer, prepare_splits, resolve_format
+from sft.encode import Encoding
+from sft.model import is_encoder_decoder, load_model, load_tokenizer
+from sft.packing import pack_dataset
+from sft.recipe import load_recipe
+from sft.seq2seq import Seq2SeqEncoding, pair_renderer
+from sft.sources import load_source, parse_sources
+from sft.trainer import trainer_class
+
+# What every proof run sets: no logging or evaluation side effects, a deterministic single-process loop.
+QUIET = {"report_to": "none", "logging_steps": 1, "eval_strategy": "no",
+         "save_strategy": "no", "dataloader_drop_last": False, "load_best_model_at_end": False}
+
+
+@dataclasses.dataclass
+class Bench:
+    """The recipe as the proofs see it. `values` are the recipe's keys with `sft check`'s CPU/tiny overrides."""
+
+    recipe: SFTConfig  # the recipe as written (batch sizes, accumulation, distributed preset)
+    values: dict
+    report: CheckReport
+    folder: Path
+    runs: dict = dataclasses.field(default_factory=dict)  # training runs shared by proofs, by name
+
+    @classmethod
+    def build(cls, path: str, flags: list[str] | None, folder: Path) -> "Bench":
+        recipe = load_recipe(path, flags=flags)
+        unset_hf_deepspeed_config()  # validating a ZeRO-3 recipe sets a global that would partition the tiny model
+        report = CheckReport(recipe=str(path))
+        overrides = cpu_overrides(recipe, report, folder)
+        overrides.update(sample_data(recipe, report))
+        overrides.update(tiny_model(recipe, report, folder / "model"))
+        values = {**{k: getattr(recipe, k) for k in recipe.recipe_keys}, **overrides, **QUIET}
+        return cls(recipe, values, report, folder)
+
+    def config(self, **overrides: Any) -> SFTConfig:
+        """The bench recipe with `overrides`, validated like any recipe."""
+        return load_recipe({**self.values, **overrides})
+
+    @functools.cached_property
+    def base(self) -> SFTConfig:
+        return self.config()
+
+    @functools.cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return load_tokenizer(self.base)
+
+    @functools.cached_property
+    def splits(self) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+        """Tokenized (unpacked) train and eval rows of the sample, exactly as `sft train` prepares them."""
+        train, evaluation = prepare_splits(self.base, self.tokenizer)
+        return train.dataset, evaluation.dataset if evaluation else None
+
+    @functools.cached_property
+    def train_rows(self) -> datasets.Dataset:
+        """The train rows `sft train` feeds the trainer: packed when the recipe packs."""
+        return self.packed(self.splits[0], self.base.packing)
+
+    def packed(self, rows: datasets.Dataset, packs: bool) -> datasets.Dataset:
+        config = self.base
+        return pack_dataset(rows, config.max_length, config.packing_strategy, config.seed) if packs else rows
+
+    @functools.cached_property
+    def encoder_decoder(self) -> bool:
+        return is_encoder_decoder(self.base)
+
+    @functools.cached_property
+    def raw(self) -> tuple[datasets.Dataset, str, str]:
+        """The first source's raw rows, their format and label."""
+        source = parse_sources(self.base.dataset)[0]
+        raw = load_source(source)
+        return raw, resolve_format(self.base, raw.column_names, source.label), source.label
+
+    def row_encoder(self) -> Callable[[dict, int], dict | None]:
+        """sft's own row -> {input_ids, labels, truncated} (render + tokenize), the code the mask proof checks."""
+        raw, fmt, label = self.raw
+        if self.encoder_decoder:
+            render = pair_renderer(fmt)
+            encoding = Seq2SeqEncoding(self.tokenizer, self.base.max_length, self.base.truncation_side)
+        else:
+            render = make_renderer(self.base, fmt, self.tokenizer, raw)
+            encoding = Encoding(self.tokenizer, self.base.max_length, self.base.truncation_side)
+
+        def encode(row: dict, number: int) -> dict | None:
+            rendered = render(row, label, number)
+            if rendered is None:
+                return None
+            out = encoding.encode([rendered])
+            return {key: values[0] for key, values in out.items()}
+
+        return encode
+
+    def model(self, config: SFTConfig | None = None) -> PreTrainedModel:
+        """A fresh copy of the tiny model as `sft train` loads it (dtype, quantization, LoRA)."""
+        torch.manual_seed(0)  # LoRA initialisation: every copy starts from the same weights
+        return load_model(config or self.base, self.tokenizer)
+
+    def trainer(self, config: SFTConfig, model: nn.Module | None = None, train_set: Any = None,
+                eval_set: Any = None, trainer_cls: type | None = None) -> Any:
+        """The trainer `sft train` would build for `config` (the recipe's collator, loss and callbacks)."""
+        model = model if model is not None else self.model(config)
+        cls = trainer_cls or trainer_class(model)
+        return cls(model=model, args=config, processing_class=self.tokenizer, train_dataset=train_set,
+                   eval_dataset=eval_set)
+
+
+def exact_mode(model: nn.Module) -> nn.Module:
+    """Train mode with dropout off: bitsandbytes' exact fp32 kernels (its CPU eval kernels are bf16), no noise."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.eval()
+    return model
+
+
+def weights(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """A detached copy of the model's parameters (all, or those being trained)."""
+    return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad or not trainable_only}

@@ -1,0 +1,61 @@
+"""Proof 6, generation eval: no reference token reaches generate() during the recipe's evaluation."""
+
+from typing import Any
+
+import torch
+
+from sft.encode import IGNORE_INDEX
+from sft.prove.bench import Bench
+from sft.prove.result import Proof
+
+EXAMPLES = 8
+NEW_TOKENS = 4  # enough to run generate(); the proof is about its inputs
+
+
+def prove_generation(bench: Bench) -> Proof:
+    """Run the recipe's evaluation with generation on eval rows, recording what generate() is given."""
+    if not bench.base.predict_with_generate:
+        return Proof("generation", None, "the recipe does not evaluate with generation")
+    examples = bench.splits[1] or bench.splits[0]
+    examples = examples.select(range(min(EXAMPLES, len(examples))))
+    config = bench.config(output_dir=str(bench.folder / "generation"), max_new_tokens=NEW_TOKENS)
+    packs = config.packing if config.eval_packing is None else config.eval_packing
+    model, calls = bench.model(config), []
+    generate = model.generate
+
+    def recording_generate(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return generate(*args, **kwargs)
+
+    model.generate = recording_generate
+    bench.trainer(config, model, eval_set=bench.packed(examples, packs)).evaluate()
+    leaks, unknown, prompts = 0, 0, 0
+    for call in calls:
+        leaks += sum(int(call[k].numel()) for k in ("decoder_input_ids", "labels") if call.get(k) is not None)
+        for row, mask in zip(call["input_ids"], call["attention_mask"].bool()):
+            prompts += 1
+            leaked = leaked_tokens(row[mask].tolist(), examples, bench.encoder_decoder)
+            unknown += leaked is None
+            leaks += leaked or 0
+    figure = f"{prompts} prompts given to generate(): {leaks} reference tokens among them"
+    figure += f", {unknown} prompts match no eval example" if unknown else ""
+    passed = prompts > 0 and leaks == 0 and unknown == 0
+    return Proof("generation", passed, figure, "" if passed else "generate() saw more than the prompts")
+
+
+def leaked_tokens(prompt: list[int], examples: Any, encoder_decoder: bool) -> int | None:
+    """Reference tokens in `prompt`: the example it starts is found by its ids; None when it matches none.
+
+    Decoder-only: the prompt must stop before the first trained label; encoder-decoder: it must be the encoder
+    input itself (the labels are the decoder's).
+    """
+    for example in examples:
+        ids, labels = example["input_ids"], torch.tensor(example["labels"])
+        if encoder_decoder:
+            if prompt == ids:
+                return 0
+            continue
+        first = int((labels != IGNORE_INDEX).nonzero()[0]) if (labels != IGNORE_INDEX).any() else len(ids)
+        if len(prompt) >= first and ids[:len(prompt)] == prompt:
+            return len(prompt) - first
+    return None
