@@ -14,6 +14,7 @@ from sft.config import SFTConfig
 from sft.dataset import prepare_splits
 from sft.distributed import prepare_final_save
 from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
+from sft.formats import CHAT_FORMATS
 from sft.metrics import resolve_metrics
 from sft.model import load_model, load_model_config, load_tokenizer
 from sft.packing import check_packing_supported, pack_dataset, pack_dataset_with_stats
@@ -40,6 +41,7 @@ def train(config: SFTConfig) -> Path:
     with config.main_process_first(desc="tokenizing"):  # the main process tokenizes; the others load its cache
         train_data, eval_data = prepare_splits(config, tokenizer)  # data errors surface before the model loads
     log.info("Data formats: %s", "; ".join(map(str, train_data.sources)))
+    hint_unproven_template([s.format for s in train_data.sources], tokenizer)
     stats = compute_stats(train_data.dataset, config.max_length, train_data.dropped_rows, train_data.truncated_rows)
     train_set, eval_set = apply_packing(config, train_data.dataset, eval_data.dataset if eval_data else None, stats)
     log.info("\n%s", stats.table("Training data"))
@@ -65,6 +67,15 @@ def train(config: SFTConfig) -> Path:
     if trainer.is_world_process_zero():
         rundir.claim(output_dir)
     return output_dir
+
+
+def hint_unproven_template(formats: list[str], tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    """One line suggesting `sft check --prove` for a chat template that has not passed it on this machine."""
+    from sft.prove import unproven_template_hint  # deferred: sft.prove builds on this module
+
+    hint = unproven_template_hint(tokenizer.chat_template) if set(formats) & set(CHAT_FORMATS) else None
+    if hint:
+        log.info(hint)
 
 
 def apply_packing(config: SFTConfig, train_set: datasets.Dataset, eval_set: datasets.Dataset | None,

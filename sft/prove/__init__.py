@@ -6,9 +6,11 @@ proofs exist to catch. The template cache records chat templates that passed, so
 the proofs for one it has not seen pass.
 """
 
+import contextlib
 import hashlib
 import logging
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +30,8 @@ DEFAULT_ROWS = 32
 def prove_recipe(path: str, flags: list[str] | None = None, rows: int = DEFAULT_ROWS,
                  debug: bool = False) -> list[Proof]:
     """Run every proof on the recipe; SFTError for recipe errors. A proof that crashes is a failed proof."""
-    with tempfile.TemporaryDirectory(prefix="sft-prove-") as tmp:
+    # The Trainer prints logs and metrics to stdout, which holds the proofs' lines (or JSON) alone.
+    with tempfile.TemporaryDirectory(prefix="sft-prove-") as tmp, contextlib.redirect_stdout(sys.stderr):
         bench = Bench.build(path, flags, Path(tmp))
         bench.splits  # data errors are recipe errors (exit 2), before any proof runs
         steps = [lambda: prove_masks(bench, rows), lambda: prove_packing(bench), lambda: prove_batching(bench),

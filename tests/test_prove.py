@@ -1,0 +1,184 @@
+"""sft check --prove: every proof passes on a sound recipe, and each one FAILs on the fault it exists to catch."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+from safetensors.torch import save_file
+
+import sft.predict
+from conftest import REPO
+from sft.chat_templates import PRESETS
+from sft.cli import main
+from sft.predict import Example
+from sft.prove import prove_recipe, unproven_template_hint
+from sft.prove.batches import prove_batching, prove_packing
+from sft.prove.bench import Bench
+from sft.prove.generation import prove_generation
+from sft.prove.masks import prove_masks
+from sft.prove.result import Proof
+from sft.prove.runs import prove_resume, prove_save_load, save_like_train
+from sft.trainer import SFTTrainer
+
+EMBEDDED = REPO / "data" / "models" / "tiny-llama"
+# A LoRA chat recipe on the embedded model that uses every proof: packing, accumulation, dropout after the resume
+# point, an adapter to save and merge, generation eval.
+SOUND = dict(model_name_or_path=str(EMBEDDED), dataset=str(REPO / "data" / "chat_sample.jsonl"),
+             dataset_format="messages", chat_template="chatml", max_length=128, packing=True, use_peft=True, lora_r=4,
+             lora_alpha=8, lora_dropout=0.1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+             predict_with_generate=True, max_new_tokens=4, learning_rate=1e-2, dtype="float32", seed=0)
+# Turns end with <|end|>, plain text to this tokenizer: generation (EOS, <|im_end|>) would never stop on it.
+MISDECLARED_END = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_recipe(folder: Path, **changes) -> Path:
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**SOUND, **changes}))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    """Proven-template records go to a temporary cache, never the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory) -> Bench:
+    folder = tmp_path_factory.mktemp("prove")
+    bench = Bench.build(str(write_recipe(folder)), None, folder / "bench")
+    bench.splits  # noqa: B018 - tokenize once for every test
+    return bench
+
+
+def test_a_sound_recipe_passes_every_proof(bench):
+    proofs = [prove_masks(bench, 16), prove_packing(bench), prove_batching(bench), prove_resume(bench),
+              prove_save_load(bench), prove_generation(bench)]
+    for proof in proofs:
+        print(proof.line())
+    assert [p.passed for p in proofs] == [True] * 6
+    assert "packed rows" in proofs[1].figure and "lora_dropout" in proofs[3].figure
+    assert "merged vs adapter" in proofs[4].figure
+
+
+def test_masks_fail_when_the_end_of_turn_token_is_misdeclared(tmp_path):
+    bench = Bench.build(str(write_recipe(tmp_path, chat_template=MISDECLARED_END)), None, tmp_path / "bench")
+    proof = prove_masks(bench, 8)
+    assert proof.passed is False
+    assert "without a token generation stops on" in proof.evidence and "[[" in proof.evidence  # the marked row
+
+
+def test_masks_fail_when_the_encoder_trains_the_prompt(bench):
+    encode = bench.row_encoder()
+
+    def trains_everything(row, number):
+        encoded = encode(row, number)
+        return {**encoded, "labels": [-100] + encoded["input_ids"][1:]}
+
+    proof = prove_masks(bench, 8, trains_everything)
+    assert proof.passed is False and "tokens outside the answers are trained" in proof.evidence
+
+
+def test_packing_fails_when_packed_rows_run_with_a_kv_cache(bench):
+    model = bench.model()
+    model.config.use_cache = True  # a cache switches transformers' packed-sequence detection off: examples leak
+    proof = prove_packing(bench, model)
+    assert proof.passed is False and "differs" in proof.evidence
+
+
+class PerBatchMeanTrainer(SFTTrainer):
+    """The classic accumulation bug: each micro-batch averaged on its own, then the averages averaged."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs["labels"]
+        logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def test_batching_fails_with_a_per_batch_mean_loss(bench):
+    proof = prove_batching(bench, PerBatchMeanTrainer)
+    assert proof.passed is False and "accumulated vs" in proof.evidence
+
+
+def test_resume_fails_when_the_rng_state_is_not_restored(bench, monkeypatch):
+    monkeypatch.setattr(transformers.Trainer, "_load_rng_state", lambda self, checkpoint: None)
+    proof = prove_resume(bench)
+    assert proof.passed is False and proof.evidence.startswith("differ: ")
+
+
+def test_save_load_fails_for_an_adapter_saved_without_its_weights(bench):
+    def save_empty_adapter(trainer, bench):
+        folder = save_like_train(trainer, bench)
+        save_file({}, folder / "adapter_model.safetensors")  # the ZeRO-3 empty-adapter bug
+        return folder
+
+    proof = prove_save_load(bench, save_empty_adapter)
+    assert proof.passed is False and "different logits" in proof.evidence
+
+
+def test_generation_fails_when_the_prompt_builder_leaks_the_reference(bench, monkeypatch):
+    def leaky(ids, labels):
+        trained = (labels != -100).nonzero()
+        return Example(ids.tolist(), labels[int(trained[0]):].tolist()) if len(trained) else None
+
+    monkeypatch.setattr(sft.predict, "causal_example", leaky)
+    proof = prove_generation(bench)
+    assert proof.passed is False and "reference tokens" in proof.figure
+    assert not proof.figure.split(": ")[1].startswith("0 reference")
+
+
+def fake_proofs(monkeypatch, failing: str | None = None) -> None:
+    """Replace the proofs with instant ones (the CLI contract is under test here, not the proofs)."""
+    for name in ("masks", "packing", "batching", "resume", "save_load", "generation"):
+        proof = Proof(name, name != failing, "figure", "evidence" if name == failing else "")
+        monkeypatch.setattr(f"sft.prove.prove_{name}", lambda *args, _p=proof, **kwargs: _p)
+
+
+def test_json_prints_one_object_per_proof_and_exit_0(tmp_path, monkeypatch, capsys):
+    fake_proofs(monkeypatch)
+    assert main(["check", str(write_recipe(tmp_path)), "--prove", "--json"]) == 0
+    objects = json.loads(capsys.readouterr().out)
+    assert [o["name"] for o in objects] == ["masks", "packing", "batching", "resume", "save_load", "generation"]
+    assert all(set(o) == {"name", "passed", "figure", "evidence"} for o in objects)
+
+
+def test_a_failing_proof_exits_1_with_its_evidence(tmp_path, monkeypatch, capsys):
+    fake_proofs(monkeypatch, failing="resume")
+    assert main(["check", str(write_recipe(tmp_path)), "--prove"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL resume" in out and "evidence" in out and out.count("PASS") == 5
+
+
+def test_recipe_errors_exit_2_without_a_traceback(tmp_path, capsys):
+    assert main(["check", str(write_recipe(tmp_path, learning_rat=1)), "--prove"]) == 2
+    err = capsys.readouterr().err
+    assert "learning_rate" in err and "Traceback" not in err
+
+
+def test_train_hints_at_prove_until_the_template_passed(tmp_path, monkeypatch):
+    template = PRESETS["chatml"].template  # the recipe's chat_template
+    assert "sft check RECIPE --prove" in unproven_template_hint(template)
+    fake_proofs(monkeypatch)
+    prove_recipe(str(write_recipe(tmp_path)))
+    assert unproven_template_hint(template) is None  # the chatml preset passed; other templates still get the hint
+    assert unproven_template_hint(template + " ") is not None
+
+
+SHIPPED = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", SHIPPED, ids=lambda p: str(p.relative_to(REPO / "recipes")))
+def test_every_shipped_recipe_passes_prove(recipe, monkeypatch):
+    monkeypatch.chdir(REPO)  # recipes name data/ relative to the repository
+    start = time.perf_counter()
+    proofs = prove_recipe(str(recipe.relative_to(REPO)))
+    print(f"{recipe.relative_to(REPO)}: {time.perf_counter() - start:.1f} s")
+    for proof in proofs:
+        print(proof.line())
+    assert all(p.passed is not False for p in proofs), [p.line() for p in proofs if not p.passed]
