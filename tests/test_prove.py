@@ -62,7 +62,7 @@ def test_a_sound_recipe_passes_every_proof(bench):
     for proof in proofs:
         print(proof.line())
     assert [p.passed for p in proofs] == [True] * 6
-    assert "packed rows" in proofs[1].figure and "lora_dropout" in proofs[3].figure
+    assert "packed rows" in proofs[1].figure and "dropout" in proofs[3].figure
     assert "merged vs adapter" in proofs[4].figure
 
 

@@ -14,8 +14,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
-from sft.errors import SFTError
 from sft.prove.batches import prove_batching, prove_packing
 from sft.prove.bench import Bench
 from sft.prove.generation import prove_generation
@@ -32,7 +32,7 @@ def prove_recipe(path: str, flags: list[str] | None = None, rows: int = DEFAULT_
     """Run every proof on the recipe; SFTError for recipe errors. A proof that crashes is a failed proof."""
     # The Trainer prints logs and metrics to stdout, which holds the proofs' lines (or JSON) alone.
     with tempfile.TemporaryDirectory(prefix="sft-prove-") as tmp, contextlib.redirect_stdout(sys.stderr):
-        bench = Bench.build(path, flags, Path(tmp))
+        bench = Bench.build(path, flags, Path(tmp), rows)
         bench.splits  # data errors are recipe errors (exit 2), before any proof runs
         steps = [lambda: prove_masks(bench, rows), lambda: prove_packing(bench), lambda: prove_batching(bench),
                  lambda: prove_resume(bench), lambda: prove_save_load(bench), lambda: prove_generation(bench)]
@@ -43,13 +43,12 @@ def prove_recipe(path: str, flags: list[str] | None = None, rows: int = DEFAULT_
     return proofs
 
 
-def attempt(name: str, step, debug: bool) -> Proof:
+def attempt(name: str, step: Callable[[], Proof], debug: bool) -> Proof:
+    """Run one proof; an error inside it means the property is not proven (recipe errors surfaced earlier)."""
     start = time.perf_counter()
     try:
         return step()
-    except SFTError:
-        raise
-    except Exception as err:  # noqa: BLE001 - a proof that cannot run has not passed; say why
+    except Exception as err:  # noqa: BLE001 - a proof that cannot run has not passed; its evidence says why
         if debug:
             raise
         return Proof(name, False, "could not run", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")

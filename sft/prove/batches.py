@@ -8,7 +8,7 @@ from torch import nn
 
 from sft.encode import IGNORE_INDEX
 from sft.predict import segments
-from sft.prove.bench import Bench, exact_mode, weights
+from sft.prove.bench import Bench, exact_mode, no_dropout, weights
 from sft.prove.result import Proof
 from sft.trainer import default_collator
 
@@ -74,13 +74,15 @@ def prove_batching(bench: Bench, trainer_cls: type | None = None) -> Proof:
     """One SGD step (lr 1) of micro-batches with accumulation vs one big batch: loss and gradients equal."""
     micro, accumulation = bench.recipe.per_device_train_batch_size, bench.recipe.gradient_accumulation_steps
     shape = f"micro-batch {micro} x accumulation {accumulation}"
-    if accumulation == 1:  # the recipe does not accumulate: prove the same property one row at a time
-        micro, accumulation, shape = 1, micro, f"recipe batch {micro} as 1 x {micro} accumulated"
+    if accumulation == 1:  # the recipe does not accumulate: prove the same property on its batch, split in 4
+        accumulation = min(4, micro)
+        micro = max(1, micro // accumulation)
+        shape = f"recipe batch {micro * accumulation} as {micro} x {accumulation} accumulated"
     rows = bench.train_rows
-    if micro * accumulation > len(rows):
-        accumulation = max(1, len(rows) // micro)
-        micro = min(micro, len(rows))
-        shape += f" (sample holds {len(rows)} rows: {micro} x {accumulation})"
+    if micro * accumulation > len(rows):  # few (packed) rows in the sample: smaller micro-batches, same accumulation
+        accumulation = max(1, min(accumulation, len(rows)))
+        micro = max(1, len(rows) // accumulation)
+        shape += f" (the sample holds {len(rows)} rows: {micro} x {accumulation})"
     rows = rows.select(range(micro * accumulation))
     loss_big, grad_big = one_step(bench, rows, micro * accumulation, 1, trainer_cls)
     loss_acc, grad_acc = one_step(bench, rows, micro, accumulation, trainer_cls)
@@ -105,9 +107,7 @@ def one_step(bench: Bench, rows: datasets.Dataset, micro: int, accumulation: int
                           learning_rate=1.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0,
                           weight_decay=0.0, neftune_noise_alpha=None, lora_dropout=0.0)
     trainer = bench.trainer(config, train_set=rows, trainer_cls=trainer_cls)
-    for module in trainer.model.modules():  # e.g. T5's dropout_rate: train() switches dropout back on
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
+    no_dropout(trainer.model)
     before = weights(trainer.model, trainable_only=True)
     loss = trainer.train().training_loss
     after = weights(trainer.model, trainable_only=True)

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from sft.check import CheckReport, cpu_overrides, sample_data, tiny_model
+from sft.check import SAMPLE_ROWS, CheckReport, cpu_overrides, sample_data, tiny_model
 from sft.config import SFTConfig
 from sft.dataset import make_renderer, prepare_splits, resolve_format
 from sft.encode import Encoding
@@ -36,10 +36,11 @@ class Bench:
     values: dict
     report: CheckReport
     folder: Path
+    mask_rows: int = SAMPLE_ROWS  # rows the mask proof may sample from
     runs: dict = dataclasses.field(default_factory=dict)  # training runs shared by proofs, by name
 
     @classmethod
-    def build(cls, path: str, flags: list[str] | None, folder: Path) -> "Bench":
+    def build(cls, path: str, flags: list[str] | None, folder: Path, mask_rows: int = SAMPLE_ROWS) -> "Bench":
         recipe = load_recipe(path, flags=flags)
         unset_hf_deepspeed_config()  # validating a ZeRO-3 recipe sets a global that would partition the tiny model
         report = CheckReport(recipe=str(path))
@@ -47,7 +48,7 @@ class Bench:
         overrides.update(sample_data(recipe, report))
         overrides.update(tiny_model(recipe, report, folder / "model"))
         values = {**{k: getattr(recipe, k) for k in recipe.recipe_keys}, **overrides, **QUIET}
-        return cls(recipe, values, report, folder)
+        return cls(recipe, values, report, folder, mask_rows)
 
     def config(self, **overrides: Any) -> SFTConfig:
         """The bench recipe with `overrides`, validated like any recipe."""
@@ -82,8 +83,10 @@ class Bench:
 
     @functools.cached_property
     def raw(self) -> tuple[datasets.Dataset, str, str]:
-        """The first source's raw rows, their format and label."""
+        """The first source's first `mask_rows` raw rows (at least the sample's), their format and label."""
         source = parse_sources(self.base.dataset)[0]
+        if self.mask_rows > SAMPLE_ROWS:  # the sample is `split[:64]` of the recipe's own split
+            source.split = source.split.replace(f"[:{SAMPLE_ROWS}]", f"[:{self.mask_rows}]")
         raw = load_source(source)
         return raw, resolve_format(self.base, raw.column_names, source.label), source.label
 
@@ -121,11 +124,18 @@ class Bench:
 
 
 def exact_mode(model: nn.Module) -> nn.Module:
-    """Train mode with dropout off: bitsandbytes' exact fp32 kernels (its CPU eval kernels are bf16), no noise."""
-    model.train()
+    """Train mode without dropout: bitsandbytes' exact fp32 kernels (its CPU eval kernels are bf16), no noise."""
+    return no_dropout(model).train()
+
+
+def no_dropout(model: nn.Module) -> nn.Module:
+    """Zero every dropout rate, modules and the rates attention layers pass to functional dropout (T5, Llama)."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
-            module.eval()
+            module.p = 0.0
+        for name in ("dropout", "attention_dropout", "dropout_rate"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
     return model
 
 

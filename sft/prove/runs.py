@@ -9,23 +9,23 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from sft.adapters import is_adapter_folder
 from sft.export import merge_adapter
-from sft.generation import load_for_inference
 from sft.prove.bench import Bench, exact_mode, weights
 from sft.prove.result import Proof
+from sft.prove.sharded import prove_sharded_save
 from sft.stats import compute_stats
 from sft.training import save_run
 
 STOP_AFTER = 1  # k: the run stops after step k and is resumed to step k + 2
 MERGE_TOLERANCE = 1e-4
-SHARDED = {"fsdp": "FSDP is not provable on CPU", "fsdp_offload": "FSDP is not provable on CPU",
-           "zero2": "not run under 2 processes here", "zero3": "not run under 2 processes here",
-           "zero3_offload": "not run under 2 processes here", "ddp": "not run under 2 processes here"}
 
 
 def run(bench: Bench, name: str, resume: str | None = None, trainer_cls: type | None = None) -> Any:
     """k + 2 steps of the recipe's training (checkpoint every k steps); returns the trainer."""
+    recipe = bench.recipe  # its accumulation, on small micro-batches: the proof is about what a checkpoint restores
     config = bench.config(output_dir=str(bench.folder / name), max_steps=STOP_AFTER + 2, save_strategy="steps",
-                          save_steps=STOP_AFTER, save_total_limit=None, save_only_model=False)
+                          save_steps=STOP_AFTER, save_total_limit=None, save_only_model=False,
+                          per_device_train_batch_size=min(recipe.per_device_train_batch_size, 2),
+                          gradient_accumulation_steps=min(recipe.gradient_accumulation_steps, 2))
     trainer = bench.trainer(config, train_set=bench.train_rows, trainer_cls=trainer_cls)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
@@ -45,11 +45,12 @@ def prove_resume(bench: Bench, trainer_cls: type | None = None) -> Proof:
     resumed = run(bench, "resumed", str(checkpoint), trainer_cls)
     expected, actual = weights(whole.model), weights(resumed.model)
     differ = [k for k in expected if not torch.equal(expected[k], actual[k])]
-    random = [k for k, on in (("lora_dropout", bench.base.use_peft and bench.base.lora_dropout),
-                              ("neftune_noise_alpha", bench.base.neftune_noise_alpha)) if on]
+    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in resumed.model.modules())
+    random = ["dropout"] * dropout + ["NEFTune"] * bool(bench.base.neftune_noise_alpha)
     figure = (f"stopped after step {STOP_AFTER}, resumed to step {STOP_AFTER + 2}: "
               f"{len(expected) - len(differ)}/{len(expected)} tensors bitwise equal"
-              f" (randomness after the stop: {', '.join(random) or 'none'})")
+              f" ({whole.args.per_device_train_batch_size} x {whole.args.gradient_accumulation_steps} rows a step;"
+              f" randomness after the stop: {', '.join(random) or 'none'})")
     evidence = ", ".join(f"{k} (max |Δ| {(expected[k] - actual[k]).abs().max().item():.2g})" for k in differ[:3])
     return Proof("resume", not differ, figure, f"differ: {evidence}" if differ else "")
 
@@ -67,7 +68,7 @@ def prove_save_load(bench: Bench, save: Callable[[Any, Bench], Path] = save_like
     folder = save(trainer, bench)
     ids = torch.tensor([bench.splits[0][0]["input_ids"]])
     trained = logits(trainer.model, ids, bench)
-    reloaded, _ = load_for_inference(folder, device="cpu")
+    reloaded = bench.model(bench.config(model_name_or_path=str(folder)))  # as `sft train`/`sft eval` load it
     reload_gap = (logits(reloaded, ids, bench) - trained).abs().max().item()
     moved = (logits(bench.model(), ids, bench) - trained).abs().max().item()
     kind = "adapter" if is_adapter_folder(folder) else "model"
@@ -81,8 +82,10 @@ def prove_save_load(bench: Bench, save: Callable[[Any, Bench], Path] = save_like
         evidence = (f"the reloaded {kind} computes different logits than the trained one ({reload_gap:.3g})"
                     if moved > 0 else "training changed no logit: nothing was compared")
         evidence += "" if kind == "model" or passed else f"; merge gap {merged_gap:.3g} (limit {MERGE_TOLERANCE})"
-    sharded = SHARDED.get(bench.recipe.distributed or "")
-    figure += f"; sharded preset {bench.recipe.distributed}: {sharded}" if sharded else ""
+    sharded, sharded_figure = prove_sharded_save(bench)
+    figure += f"; {sharded_figure}" if sharded_figure else ""
+    if sharded is False:
+        passed, evidence = False, (evidence + "; " if evidence else "") + sharded_figure
     return Proof("save/load", passed, figure, evidence)
 
 
