@@ -1,6 +1,7 @@
 """sft check --prove: every proof passes on a sound recipe, and each one FAILs on the fault it exists to catch."""
 
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -77,11 +78,10 @@ def test_masks_fail_when_the_encoder_trains_the_prompt(bench):
     encode = bench.row_encoder()
 
     def trains_everything(row, number):
-        encoded = encode(row, number)
-        return {**encoded, "labels": [-100] + encoded["input_ids"][1:]}
+        return [{**e, "labels": [-100] + e["input_ids"][1:]} for e in encode(row, number)]
 
     proof = prove_masks(bench, 8, trains_everything)
-    assert proof.passed is False and "tokens outside the answers are trained" in proof.evidence
+    assert proof.passed is False and "tokens outside the trained answers are trained" in proof.evidence
 
 
 def test_packing_fails_when_packed_rows_run_with_a_kv_cache(bench):
@@ -169,6 +169,11 @@ def test_train_hints_at_prove_until_the_template_passed(tmp_path, monkeypatch):
     assert unproven_template_hint(template + " ") is not None
 
 
+def cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 SHIPPED = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")
 
 
@@ -176,9 +181,11 @@ SHIPPED = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.parent.name 
 @pytest.mark.parametrize("recipe", SHIPPED, ids=lambda p: str(p.relative_to(REPO / "recipes")))
 def test_every_shipped_recipe_passes_prove(recipe, monkeypatch):
     monkeypatch.chdir(REPO)  # recipes name data/ relative to the repository
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     proofs = prove_recipe(str(recipe.relative_to(REPO)))
-    print(f"{recipe.relative_to(REPO)}: {time.perf_counter() - start:.1f} s")
+    # Reported, not asserted: wall time depends on what else the machine runs; CPU time (2-process runs included)
+    # is what an otherwise idle 2-core machine would need.
+    print(f"{recipe.relative_to(REPO)}: {time.perf_counter() - start:.1f} s wall, {cpu_seconds() - cpu:.1f} s CPU")
     for proof in proofs:
         print(proof.line())
     assert all(p.passed is not False for p in proofs), [p.line() for p in proofs if not p.passed]

@@ -90,8 +90,9 @@ class Bench:
         raw = load_source(source)
         return raw, resolve_format(self.base, raw.column_names, source.label), source.label
 
-    def row_encoder(self) -> Callable[[dict, int], dict | None]:
-        """sft's own row -> {input_ids, labels, truncated} (render + tokenize), the code the mask proof checks."""
+    def row_encoder(self) -> Callable[[dict, int], list[dict]]:
+        """sft's own row -> examples {input_ids, labels, truncated, ...} (render + tokenize): what the mask proof
+        checks. A chat row gives several examples under `history: split`, none when it is dropped."""
         raw, fmt, label = self.raw
         if self.encoder_decoder:
             render = pair_renderer(fmt)
@@ -100,12 +101,11 @@ class Bench:
             render = make_renderer(self.base, fmt, self.tokenizer, raw)
             encoding = Encoding(self.tokenizer, self.base.max_length, self.base.truncation_side)
 
-        def encode(row: dict, number: int) -> dict | None:
+        def encode(row: dict, number: int) -> list[dict]:
             rendered = render(row, label, number)
-            if rendered is None:
-                return None
-            out = encoding.encode([rendered])
-            return {key: values[0] for key, values in out.items()}
+            rendered = rendered if isinstance(rendered, list) else [rendered] if rendered is not None else []
+            out = encoding.encode(rendered) if rendered else {}
+            return [{key: values[i] for key, values in out.items()} for i in range(len(rendered))]
 
         return encode
 

@@ -28,37 +28,52 @@ ANSWER = {"alpaca": "output", "prompt_completion": "completion", "seq2seq": "tar
 
 
 @dataclass
-class Expected:
-    """The characters of `text` that must be trained, and turns this proof could not place."""
+class Coverage:
+    """Per conversation: answers found in some example, fully trained in one, cut by truncation, without stop."""
 
+    placed: set[int] = field(default_factory=set)
+    covered: set[int] = field(default_factory=set)
+    cut: set[int] = field(default_factory=set)
+    stopless: set[int] = field(default_factory=set)
+    extra: int = 0  # trained tokens outside the trained answers
+    untrained: dict[int, str] = field(default_factory=dict)  # text an answer leaves untrained
+
+
+@dataclass
+class Turn:
+    """Assistant message i: its generation prompt P = render(messages[:i], add_generation_prompt=True), its
+    rendering F = render(messages[:i + 1]), and whether the recipe's policy trains it."""
+
+    index: int
+    prompt: str
     text: str
-    regions: list[tuple[int, int]] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)  # turns that end without a stop token
-    unplaced: int = 0  # turns of templates that re-render earlier text (not prefix-preserving)
+    trained: bool
 
 
-def prove_masks(bench: Bench, rows: int, encode_row: Callable[[dict, int], dict | None] | None = None) -> Proof:
-    """Check sft's row encoder (`encode_row`, default the recipe's) on `rows` sampled rows."""
+def prove_masks(bench: Bench, rows: int, encode_row: Callable[[dict, int], list[dict]] | None = None) -> Proof:
+    """Check sft's row encoder (`encode_row`: row -> examples, default the recipe's) on `rows` sampled rows."""
     raw, fmt, _ = bench.raw
     encode_row = encode_row or bench.row_encoder()
     stops = stop_ids(bench)
     tally: Counter = Counter()
     evidence = ""
     for index in sorted(random.Random(0).sample(range(len(raw)), min(rows, len(raw)))):
-        encoded = encode_row(raw[index], index + 1)
-        if encoded is None:
+        examples = encode_row(raw[index], index + 1)
+        if not examples:
             tally["dropped"] += 1
             continue
         check = check_chat_row if chat_row(raw[index], fmt) else check_plain_row
-        problems = check(bench, raw[index], fmt, encoded, stops, tally)
+        problems, shown = check(bench, raw[index], fmt, examples, stops, tally)
         tally["rows"] += 1
+        tally["examples"] += len(examples)
         if problems and not evidence:
-            view = show_examples([encoded], bench.tokenizer, 1, color=False, encoder_decoder=bench.encoder_decoder)
+            view = show_examples([shown], bench.tokenizer, 1, color=False, encoder_decoder=bench.encoder_decoder)
             evidence = f"row {index + 1}: " + "; ".join(problems) + "\n" + view
     figure = (f"{tally['rows']} rows, {tally['turns']} trained answers: {tally['extra']} non-answer tokens trained, "
-              f"{tally['missing']} answer tokens untrained, {tally['no_stop']} answers without a stop token; "
+              f"{tally['missing']} answers not fully trained, {tally['no_stop']} answers without a stop token; "
               f"{tally['cut']} answers cut by truncation")
-    figure += f", {tally['unplaced']} turns not prefix-rendered (unchecked)" if tally["unplaced"] else ""
+    figure += f", {tally['examples'] - tally['rows']} split examples" if tally["examples"] > tally["rows"] else ""
+    figure += f", {tally['unplaced']} answers rendered differently in context (untrained)" if tally["unplaced"] else ""
     passed = not evidence and tally["turns"] > 0
     return Proof("masks", passed, figure, evidence or ("" if passed else "no trained answer was checked"))
 
@@ -83,44 +98,101 @@ def chat_row(row: dict, fmt: str) -> bool:
 # Chat rows: the expected mask from the template's renderings
 # ---------------------------------------------------------------------------------------------------------------
 
-def check_chat_row(bench: Bench, row: dict, fmt: str, encoded: dict, stops: set[int], tally: Counter) -> list[str]:
-    """Compare the encoder's labels with the answers located in the template's renderings."""
-    tokenizer = bench.tokenizer
+def check_chat_row(bench: Bench, row: dict, fmt: str, examples: list[dict], stops: set[int],
+                   tally: Counter) -> tuple[list[str], dict]:
+    """Each example must be a rendering of the conversation (whole, or up to one answer: `history: split`) whose
+    trained tokens lie in the answers the policy trains; each such answer must be fully trained in one of them."""
     messages, trained, tools = conversation(row, bench.base.train_on_last_turn_only)
-    render = lambda msgs, prompt: tokenizer.apply_chat_template(  # noqa: E731
+    render = lambda msgs, prompt: bench.tokenizer.apply_chat_template(  # noqa: E731
         msgs, tools=tools, add_generation_prompt=prompt, tokenize=False)
-    text = render(messages, False)
-    tokens = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    expected = Expected(text)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    for i in turns:
-        region = answer_region(render, messages, i, text, tokens, stops, expected)
-        if region and (i in trained) == bench.base.assistant_only_loss:
-            expected.regions.append(region)
-    if not bench.base.assistant_only_loss:  # everything but the excluded answers is trained
-        expected.regions = complement(expected.regions, len(text))
-    tally["turns"] += sum(1 for i in turns if i in trained)
-    tally["unplaced"] += expected.unplaced
-    tally["no_stop"] += len(expected.problems)
-    return expected.problems + compare(tokens, encoded, expected, tokenizer, tally)
+    turns = [Turn(i, render(messages[:i], True), render(messages[:i + 1], False), i in trained)
+             for i, m in enumerate(messages) if m["role"] == "assistant"]
+    candidates = [render(messages, False)] + [t.text for t in turns]
+    problems, shown, seen = [], examples[0], Coverage()
+    for example in examples:
+        found = locate(example, candidates, bench.tokenizer)
+        if found is None:
+            problems.append("the encoder's tokens are not the template's rendering of this conversation")
+            shown = example
+            continue
+        text, tokens, shift = found
+        regions = {t.index: answer_region(t, tokens, stops) for t in turns if text.startswith(t.text)}
+        example_problems = check_example(bench, example, turns, regions, tokens, shift, len(text), seen)
+        problems, shown = problems + example_problems, example if example_problems else shown
+    missing = [t.index for t in turns if t.trained and t.index in seen.placed - seen.covered - seen.cut - seen.stopless]
+    tally.update(turns=sum(t.trained for t in turns), missing=len(missing), cut=len(seen.cut), extra=seen.extra,
+                 no_stop=len(seen.stopless), unplaced=sum(t.trained and t.index not in seen.placed for t in turns))
+    problems += [f"answer messages[{i}] is never fully trained through its stop token (untrained: "
+                 f"{seen.untrained.get(i, '')!r})" for i in missing]
+    return problems, shown
 
 
-def answer_region(render: Callable, messages: list[dict], i: int, text: str, tokens: Any, stops: set[int],
-                  expected: Expected) -> tuple[int, int] | None:
-    """[end of the generation prompt, end of the first stop token) of assistant turn i, or None if unplaceable."""
-    prompt, through = render(messages[:i], True), render(messages[:i + 1], False)
-    if not (text.startswith(prompt) and text.startswith(through)):
-        expected.unplaced += 1
-        return None
-    start, bound = len(prompt), len(through)
+def locate(example: dict, candidates: list[str], tokenizer: PreTrainedTokenizerBase) -> tuple[str, Any, int] | None:
+    """(text, its tokens with offsets, position of the example's first token in them) of the candidate rendering
+    the example's tokens are (whole, or cut by truncation on either side)."""
+    ids = list(example["input_ids"])
+    for text in candidates:
+        tokens = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        mine = tokens["input_ids"]
+        for shift in (0, len(mine) - len(ids)):
+            if shift >= 0 and mine[shift:shift + len(ids)] == ids:
+                return text, tokens, shift
+    return None
+
+
+def answer_region(turn: Turn, tokens: Any, stops: set[int]) -> tuple[int, int] | None:
+    """[where P and F first differ, end of the first stop token after it within F), or None without a stop token."""
+    start, bound = common_prefix(turn.prompt, turn.text), len(turn.text)
     for token_id, (a, b) in zip(tokens["input_ids"], tokens["offset_mapping"]):
         if a >= start and b <= bound and token_id in stops:
             return start, b
         if a >= bound:
             break
-    tail = text[start:bound][-30:]
-    expected.problems.append(f"answer {i} ends ...{tail!r} without a token generation stops on")
-    return start, bound
+    return None
+
+
+def check_example(bench: Bench, example: dict, turns: list[Turn], regions: dict, tokens: Any, shift: int,
+                  length: int, seen: Coverage) -> list[str]:
+    """Trained tokens outside the policy's answers are problems; answers fully trained or cut are recorded."""
+    labels, offsets = list(example["labels"]), tokens["offset_mapping"]
+    kept = set(range(shift + 1, shift + len(labels)))  # the first kept token is never trained: nothing predicts it
+    overlapping = lambda region: {p for p, (a, b) in enumerate(offsets) if a < region[1] and b > region[0]}  # noqa
+    trained = {t.index: t.trained for t in turns}
+    stopless = [i for i, region in regions.items() if region is None and trained[i]]
+    problems = [f"answer messages[{i}] ends {turn_tail(turns, i)!r} without a token generation stops on"
+                for i in stopless if i not in seen.stopless]
+    seen.placed |= set(regions)
+    seen.stopless |= set(stopless)
+    wanted = [r for i, r in regions.items() if r and trained[i] == bench.base.assistant_only_loss]
+    if not bench.base.assistant_only_loss:  # everything but the excluded answers is trained
+        wanted = complement(wanted, length)
+    allowed = set().union(*map(overlapping, wanted))
+    got = {shift + p for p, label in enumerate(labels) if label != IGNORE_INDEX}
+    extra = sorted(got - allowed)
+    if extra:
+        problems.append(f"{len(extra)} tokens outside the trained answers are trained: "
+                        f"{bench.tokenizer.decode([tokens['input_ids'][p] for p in extra])!r}")
+    for i, region in regions.items():
+        positions = overlapping(region) if region and trained[i] else set()
+        if positions and not positions <= kept:
+            seen.cut.add(i)
+        elif positions and positions <= got:
+            seen.covered.add(i)
+        elif positions:
+            seen.untrained[i] = bench.tokenizer.decode([tokens["input_ids"][p] for p in sorted(positions - got)])
+    seen.extra += len(extra)
+    return problems
+
+
+def turn_tail(turns: list[Turn], index: int) -> str:
+    return next(t.text[-30:] for t in turns if t.index == index)
+
+
+def common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def conversation(row: dict, last_only: bool) -> tuple[list[dict], set[int], list | None]:
@@ -190,35 +262,18 @@ def complement(regions: list[tuple[int, int]], length: int) -> list[tuple[int, i
     return out + ([(pos, length)] if pos < length else [])
 
 
-def compare(tokens: Any, encoded: dict, expected: Expected, tokenizer: PreTrainedTokenizerBase,
-            tally: Counter) -> list[str]:
-    """Token-level comparison of the encoder's labels with the expected regions (truncation aware)."""
-    ids, labels, mine = list(encoded["input_ids"]), list(encoded["labels"]), tokens["input_ids"]
-    shift = len(mine) - len(ids) if encoded.get("truncated") and mine[-len(ids):] == ids else 0
-    if mine[shift:shift + len(ids)] != ids:
-        return ["the encoder's tokens are not the template's rendering of this conversation"]
-    kept = range(shift + 1, shift + len(ids))  # the first kept token is never trained: nothing predicts it
-    want = {p for p, (a, b) in enumerate(tokens["offset_mapping"])
-            if any(a < end and b > start for start, end in expected.regions)}
-    tally["cut"] += sum(1 for start, end in expected.regions
-                        if any(p not in kept for p, (a, b) in enumerate(tokens["offset_mapping"]) if a < end and b > start))
-    got = {shift + p for p, label in enumerate(labels) if label != IGNORE_INDEX}
-    extra, missing = sorted(got - want), sorted(p for p in want - got if p in kept)
-    tally["extra"] += len(extra)
-    tally["missing"] += len(missing)
-    problems = [f"{len(extra)} tokens outside the answers are trained: {tokenizer.decode([mine[p] for p in extra])!r}"
-                ] if extra else []
-    if missing:
-        problems.append(f"{len(missing)} answer tokens are untrained: {tokenizer.decode([mine[p] for p in missing])!r}")
-    return problems
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Plain formats: the trained tokens are the row's answer column plus EOS
 # ---------------------------------------------------------------------------------------------------------------
 
-def check_plain_row(bench: Bench, row: dict, fmt: str, encoded: dict, stops: set[int], tally: Counter) -> list[str]:
+def check_plain_row(bench: Bench, row: dict, fmt: str, examples: list[dict], stops: set[int],
+                    tally: Counter) -> tuple[list[str], dict]:
     """The trained tokens decode to the row's answer (one boundary token may start in the prompt) and end in EOS."""
+    encoded = examples[0]
+    return plain_problems(bench, row, fmt, encoded, stops, tally), encoded
+
+
+def plain_problems(bench: Bench, row: dict, fmt: str, encoded: dict, stops: set[int], tally: Counter) -> list[str]:
     ids, labels = list(encoded["input_ids"]), list(encoded["labels"])
     completion_only = bool(bench.base.completion_only_loss) and fmt != "text"
     answer = str(row[ANSWER[fmt]]).strip() if completion_only else None
