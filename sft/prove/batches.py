@@ -20,7 +20,9 @@ MAX_ROWS = 8  # rows in the batching proof's optimizer step (micro-batches shrin
 def prove_packing(bench: Bench, model: nn.Module | None = None) -> Proof:
     """Per-token losses of `model` (default: the recipe's, as `sft train` loads it) on the recipe's batches."""
     config = bench.base
-    examples = bench.splits[0].select(range(min(EXAMPLES, len(bench.splits[0]))))
+    train = bench.splits[0]  # packed: examples that fit a row whole (bfd_split cuts longer ones into pieces)
+    fits = [i for i, n in enumerate(train["length"]) if n <= config.max_length or not config.packing]
+    examples = train.select(fits[:EXAMPLES])
     rows = bench.packed(examples, config.packing)
     model = exact_mode(model if model is not None else bench.model())
     columns = [c for c in ("input_ids", "labels", "position_ids", "seq_lengths") if c in rows.column_names]
