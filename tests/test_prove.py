@@ -1,6 +1,7 @@
 """sft check --prove: every proof passes on a sound recipe, and each one FAILs on the fault it exists to catch."""
 
 import json
+import logging
 import resource
 import time
 from pathlib import Path
@@ -172,6 +173,19 @@ def test_train_hints_at_prove_until_the_template_passed(tmp_path, monkeypatch):
 def cpu_seconds() -> float:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def test_sft_train_logs_the_hint_for_chat_data_only(tmp_path, caplog):
+    from sft.model import load_tokenizer
+    from sft.recipe import load_recipe
+    from sft.training import hint_unproven_template
+
+    chat = load_recipe(write_recipe(tmp_path))
+    tokenizer = load_tokenizer(chat)
+    with caplog.at_level(logging.INFO, logger="sft.training"):
+        hint_unproven_template(chat, tokenizer)
+        hint_unproven_template(load_recipe(write_recipe(tmp_path, dataset_format="alpaca")), tokenizer)
+    assert [r.getMessage().count("--prove") for r in caplog.records] == [1]
 
 
 SHIPPED = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")
