@@ -130,7 +130,7 @@ def test_generation_fails_when_the_prompt_builder_leaks_the_reference(bench, mon
     monkeypatch.setattr(sft.predict, "causal_example", leaky)
     proof = prove_generation(bench)
     assert proof.passed is False and "reference tokens" in proof.figure
-    assert not proof.figure.split(": ")[1].startswith("0 reference")
+    assert not proof.figure.split(": ")[1].startswith("0 reference") and "are the reference" in proof.evidence
 
 
 def fake_proofs(monkeypatch, failing: str | None = None) -> None:

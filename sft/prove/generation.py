@@ -29,7 +29,7 @@ def prove_generation(bench: Bench) -> Proof:
 
     model.generate = recording_generate
     bench.trainer(config, model, eval_set=bench.packed(examples, packs)).evaluate()
-    leaks, unknown, prompts = 0, 0, 0
+    leaks, unknown, prompts, evidence = 0, 0, 0, ""
     for call in calls:
         leaks += sum(int(call[k].numel()) for k in ("decoder_input_ids", "labels") if call.get(k) is not None)
         for row, mask in zip(call["input_ids"], call["attention_mask"].bool()):
@@ -37,10 +37,14 @@ def prove_generation(bench: Bench) -> Proof:
             leaked = leaked_tokens(row[mask].tolist(), examples, bench.encoder_decoder)
             unknown += leaked is None
             leaks += leaked or 0
+            if (leaked is None or leaked) and not evidence:
+                text = bench.tokenizer.decode(row[mask], skip_special_tokens=False)
+                evidence = f"generate() was given ...{text[-160:]!r}: " + (
+                    f"its last {leaked} tokens are the reference" if leaked else "not an eval example's prompt")
     figure = f"{prompts} prompts given to generate(): {leaks} reference tokens among them"
     figure += f", {unknown} prompts match no eval example" if unknown else ""
     passed = prompts > 0 and leaks == 0 and unknown == 0
-    return Proof("generation", passed, figure, "" if passed else "generate() saw more than the prompts")
+    return Proof("generation", passed, figure, "" if passed else evidence or "generate() was never called")
 
 
 def leaked_tokens(prompt: list[int], examples: Any, encoder_decoder: bool) -> int | None:
