@@ -180,11 +180,10 @@ def test_sft_train_logs_the_hint_for_chat_data_only(tmp_path, caplog):
     from sft.recipe import load_recipe
     from sft.training import hint_unproven_template
 
-    chat = load_recipe(write_recipe(tmp_path))
-    tokenizer = load_tokenizer(chat)
+    tokenizer = load_tokenizer(load_recipe(write_recipe(tmp_path)))
     with caplog.at_level(logging.INFO, logger="sft.training"):
-        hint_unproven_template(chat, tokenizer)
-        hint_unproven_template(load_recipe(write_recipe(tmp_path, dataset_format="alpaca")), tokenizer)
+        hint_unproven_template(["messages"], tokenizer)
+        hint_unproven_template(["alpaca"], tokenizer)
     assert [r.getMessage().count("--prove") for r in caplog.records] == [1]
 
 

@@ -57,8 +57,8 @@ def attempt(name: str, step: Callable[[], Proof], debug: bool) -> Proof:
 
 
 def uses_chat_template(bench: Bench) -> bool:
-    raw, fmt, _ = bench.raw
-    return bool(bench.tokenizer.chat_template) and chat_row(raw[0], fmt)
+    raw, decided = bench.raw
+    return bool(bench.tokenizer.chat_template) and chat_row(raw[0], decided.format)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.check import SAMPLE_ROWS, CheckReport, cpu_overrides, sample_data, tiny_model
 from sft.config import SFTConfig
-from sft.dataset import make_renderer, prepare_splits, resolve_format
+from sft.dataset import SourceFormat, make_renderer, prepare_splits, resolve_format
 from sft.encode import Encoding
+from sft.formats import default_completion_only
 from sft.model import is_encoder_decoder, load_model, load_tokenizer
 from sft.packing import pack_dataset
 from sft.recipe import load_recipe
@@ -82,27 +83,30 @@ class Bench:
         return is_encoder_decoder(self.base)
 
     @functools.cached_property
-    def raw(self) -> tuple[datasets.Dataset, str, str]:
-        """The first source's first `mask_rows` raw rows (at least the sample's), their format and label."""
+    def raw(self) -> tuple[datasets.Dataset, SourceFormat]:
+        """The first source's first `mask_rows` raw rows (at least the sample's) and what sft decides for it."""
         source = parse_sources(self.base.dataset)[0]
         if self.mask_rows > SAMPLE_ROWS:  # the sample is `split[:64]` of the recipe's own split
             source.split = source.split.replace(f"[:{SAMPLE_ROWS}]", f"[:{self.mask_rows}]")
         raw = load_source(source)
-        return raw, resolve_format(self.base, raw.column_names, source.label), source.label
+        fmt = resolve_format(self.base, raw.column_names, source.label)
+        completion_only = self.base.completion_only_loss
+        return raw, SourceFormat(source.label, fmt, default_completion_only(fmt) if completion_only is None
+                                 else completion_only)
 
     def row_encoder(self) -> Callable[[dict, int], list[dict]]:
         """sft's own row -> examples {input_ids, labels, truncated, ...} (render + tokenize): what the mask proof
         checks. A chat row gives several examples under `history: split`, none when it is dropped."""
-        raw, fmt, label = self.raw
+        raw, decided = self.raw
         if self.encoder_decoder:
-            render = pair_renderer(fmt)
+            render = pair_renderer(decided.format)
             encoding = Seq2SeqEncoding(self.tokenizer, self.base.max_length, self.base.truncation_side)
         else:
-            render = make_renderer(self.base, fmt, self.tokenizer, raw)
+            render = make_renderer(self.base, decided, self.tokenizer, raw)
             encoding = Encoding(self.tokenizer, self.base.max_length, self.base.truncation_side)
 
         def encode(row: dict, number: int) -> list[dict]:
-            rendered = render(row, label, number)
+            rendered = render(row, decided.source, number)
             rendered = rendered if isinstance(rendered, list) else [rendered] if rendered is not None else []
             out = encoding.encode(rendered) if rendered else {}
             return [{key: values[i] for key, values in out.items()} for i in range(len(rendered))]

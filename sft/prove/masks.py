@@ -52,7 +52,8 @@ class Turn:
 
 def prove_masks(bench: Bench, rows: int, encode_row: Callable[[dict, int], list[dict]] | None = None) -> Proof:
     """Check sft's row encoder (`encode_row`: row -> examples, default the recipe's) on `rows` sampled rows."""
-    raw, fmt, _ = bench.raw
+    raw, decided = bench.raw
+    fmt = decided.format
     encode_row = encode_row or bench.row_encoder()
     stops = stop_ids(bench)
     tally: Counter = Counter()
@@ -275,7 +276,7 @@ def check_plain_row(bench: Bench, row: dict, fmt: str, examples: list[dict], sto
 
 def plain_problems(bench: Bench, row: dict, fmt: str, encoded: dict, stops: set[int], tally: Counter) -> list[str]:
     ids, labels = list(encoded["input_ids"]), list(encoded["labels"])
-    completion_only = bool(bench.base.completion_only_loss) and fmt != "text"
+    completion_only = bench.raw[1].completion_only_loss and fmt != "text"
     answer = str(row[ANSWER[fmt]]).strip() if completion_only else None
     trained = [p for p, label in enumerate(labels) if label != IGNORE_INDEX]
     target = labels if bench.encoder_decoder else ids

@@ -58,7 +58,8 @@ def prove_resume(bench: Bench, trainer_cls: type | None = None) -> Proof:
 def save_like_train(trainer: Any, bench: Bench) -> Path:
     """What `sft train` saves at the end of a run (model or adapter, tokenizer, recipe.yaml, ...)."""
     metrics = {k: v for k, v in trainer.state.log_history[-1].items() if k.startswith("train_")}
-    save_run(trainer, trainer.args, compute_stats(bench.splits[0], bench.base.max_length, 0, 0), metrics, False)
+    stats = compute_stats(bench.splits[0], bench.base.max_length, 0, 0)
+    save_run(trainer, trainer.args, stats, metrics, has_eval=False, formats=str(bench.raw[1]))
     return Path(trainer.args.output_dir)
 
 
