@@ -1,13 +1,15 @@
 """Proof 1, masks: on sampled rows, the trained tokens are exactly the assistant output, each trained turn through
 the token generation stops on.
 
-The expected mask is derived here, not read back from the encoder: for chat rows, from the chat template's own
-renderings (answer i starts where `render(messages[:i], add_generation_prompt=True)` ends and runs through the first
-stop token, i.e. the tokenizer's EOS, the generation config's EOS ids and the template's end-of-turn token, as
-`sft.generation` stops on them); for plain formats, from the row's answer column and EOS. The encoder's labels are
-then compared with it token by token.
+The expected mask is derived here, not read back from the encoder. Chat rows: from the chat template's own
+renderings, answer i starts where P = `render(messages[:i], add_generation_prompt=True)` and
+F = `render(messages[:i + 1])` first differ (the end of P for prefix-preserving templates) and runs through the
+first token generation stops on (`sft.generation.stop_token_ids`: the tokenizer's EOS, the generation config's EOS
+ids, the template's end of turn). Each example the encoder makes of a row (the whole conversation, or one answer
+in its own context under `history: split`) is located among these renderings and compared token by token: no
+trained token outside the answers the policy trains, and each such answer fully trained in some example.
+Plain formats: the decoded trained tokens are the row's answer column, ending in EOS.
 """
-
 import json
 import random
 from collections import Counter
@@ -213,8 +215,8 @@ def conversation(row: dict, last_only: bool) -> tuple[list[dict], set[int], list
     if last_only and trained:
         trained = {max(i for i, m in enumerate(messages) if m["role"] == "assistant")} & trained
     tools = row.get("tools")
-    tools = json.loads(tools) if isinstance(tools, str) and tools else drop_nulls(tools) or None
-    return messages, trained, [t if "function" in t else {"type": "function", "function": t} for t in tools or []] or None
+    tools = json.loads(tools) if isinstance(tools, str) and tools else drop_nulls(tools) or []
+    return messages, trained, [t if "function" in t else {"type": "function", "function": t} for t in tools] or None
 
 
 def message(raw: dict) -> dict:
