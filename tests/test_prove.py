@@ -123,7 +123,7 @@ def test_save_load_fails_for_an_adapter_saved_without_its_weights(bench):
 
 
 def test_generation_fails_when_the_prompt_builder_leaks_the_reference(bench, monkeypatch):
-    def leaky(ids, labels):
+    def leaky(ids, labels, offsets=None):
         trained = (labels != -100).nonzero()
         return Example(ids.tolist(), labels[int(trained[0]):].tolist()) if len(trained) else None
 

@@ -34,7 +34,7 @@ def prove_generation(bench: Bench) -> Proof:
         leaks += sum(int(call[k].numel()) for k in ("decoder_input_ids", "labels") if call.get(k) is not None)
         for row, mask in zip(call["input_ids"], call["attention_mask"].bool()):
             prompts += 1
-            leaked = leaked_tokens(row[mask].tolist(), examples, bench.encoder_decoder)
+            leaked = leaked_tokens(row[mask].tolist(), examples, bench)
             unknown += leaked is None
             leaks += leaked or 0
             if (leaked is None or leaked) and not evidence:
@@ -47,19 +47,25 @@ def prove_generation(bench: Bench) -> Proof:
     return Proof("generation", passed, figure, "" if passed else evidence or "generate() was never called")
 
 
-def leaked_tokens(prompt: list[int], examples: Any, encoder_decoder: bool) -> int | None:
-    """Reference tokens in `prompt`: the example it starts is found by its ids; None when it matches none.
+def leaked_tokens(prompt: list[int], examples: Any, bench: Bench) -> int | None:
+    """Reference tokens in `prompt`, by the example it is the prompt of (the fewest, where several begin alike);
+    None when it is no example's.
 
-    Decoder-only: the prompt must stop before the first trained label; encoder-decoder: it must be the encoder
-    input itself (the labels are the decoder's).
+    Decoder-only: the prompt is the tokens before the first trained label, plus at most a strict part of that
+    label's own text (where a token merges the prompt's end with the answer's start, e.g. `:5` after
+    `### Response`, generation must start from `:`); encoder-decoder: the encoder input itself.
     """
-    for example in examples:
-        ids, labels = example["input_ids"], torch.tensor(example["labels"])
-        if encoder_decoder:
-            if prompt == ids:
-                return 0
-            continue
-        first = int((labels != IGNORE_INDEX).nonzero()[0]) if (labels != IGNORE_INDEX).any() else len(ids)
-        if len(prompt) >= first and ids[:len(prompt)] == prompt:
-            return len(prompt) - first
-    return None
+    counts = [leaked_in(prompt, example, bench) for example in examples]
+    return min((c for c in counts if c is not None), default=None)
+
+
+def leaked_in(prompt: list[int], example: dict, bench: Bench) -> int | None:
+    ids, labels = example["input_ids"], torch.tensor(example["labels"])
+    if bench.encoder_decoder:
+        return 0 if prompt == ids else None
+    trained = (labels != IGNORE_INDEX).nonzero()
+    first = int(trained[0]) if len(trained) else len(ids)
+    if prompt[:first] != ids[:first] or len(prompt) < first:
+        return None
+    tail, straddling = (bench.tokenizer.decode(part) for part in (prompt[first:], ids[first:first + 1]))
+    return 0 if not tail or (len(tail) < len(straddling) and straddling.startswith(tail)) else len(prompt) - first
