@@ -8,6 +8,9 @@ Without ../shared it falls back to the project's data/alpaca_sample.json and the
     python scripts/bench.py                       # packed and unpacked, 3 repeats, table
     python scripts/bench.py --packing on --repeats 1 --steps 6 --json results.json
     python scripts/bench.py --device cuda          # on a GPU: bf16, MFU against the GPU's bf16 peak
+
+Real model shapes through sft, trl and plain transformers.Trainer (issue 19, --model or --suite): see
+scripts/bench_gpu.py.
 """
 
 import argparse
@@ -40,6 +43,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", help="also write the results as JSON to this file")
     parser.add_argument("--chat", action="store_true", help="only time chat tokenization (render + encode) of the "
                         "real ShareGPT and tool-call fixtures with the Qwen2.5 tokenizer")
+    gpu = parser.add_argument_group("real model shapes, three tools (scripts/bench_gpu.py)")
+    gpu.add_argument("--model", choices=("tiny", "qwen2.5-0.5b", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b"))
+    gpu.add_argument("--method", choices=("full", "lora", "qlora"), default="full")
+    gpu.add_argument("--checkpointing", choices=("on", "off"), default="off", help="gradient checkpointing, all tools")
+    gpu.add_argument("--tools", default="sft,trl,plain", help="comma-separated: sft, trl, plain")
+    gpu.add_argument("--suite", choices=("issue19", "issue19-full", "issue19-8b"), help="a fixed set of jobs")
+    gpu.add_argument("--budget_s", type=float, default=540, help="runs not finished by then are recorded as timed out")
+    parser.add_argument("--gpu_worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=("sft", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
@@ -218,13 +229,18 @@ def worker(args: argparse.Namespace) -> dict:
             "model_flops_per_step": model_flops(trainer.model.config, seen / args.steps)}
 
 
-def model_flops(config, tokens: float) -> float:
-    """Training FLOPs of a full forward+backward over `tokens` tokens (6 x matmul params + attention)."""
+def model_flops(config, tokens: float, attention_pairs: float = 0, frozen: bool = False) -> float:
+    """Training FLOPs of forward+backward over `tokens` tokens: 6 x matmul params per token (4 x for a frozen base
+    under LoRA: no weight gradients; the adapter's <1% is not counted), plus attention: QK^T and AV cost 4 x
+    (heads x head_dim) FLOPs per causal query-key pair and layer forward, x3 with the backward.
+    `attention_pairs` = sum of n(n+1)/2 over the examples (each attends only within itself); 0 leaves it out."""
     h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     kv = config.num_key_value_heads * (h // config.num_attention_heads)
     per_layer = h * (h + 2 * kv + h) + 3 * h * inter
     matmul_params = layers * per_layer + config.vocab_size * h  # the LM head; the embedding lookup is no matmul
-    return 6 * matmul_params * tokens
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    attention = 12 * layers * config.num_attention_heads * head_dim * attention_pairs
+    return (4 if frozen else 6) * matmul_params * tokens + attention
 
 
 # ---- orchestration (parent process) ----
@@ -335,6 +351,14 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.gpu_worker or args.model or args.suite:
+        import bench_gpu
+
+        if args.gpu_worker:
+            print(json.dumps(bench_gpu.worker(json.loads(args.gpu_worker))))
+        else:
+            bench_gpu.main(args)
+        return
     if args.chat:
         print(json.dumps(chat_rows_per_s(args.repeats)))
         return

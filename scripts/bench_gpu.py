@@ -1,0 +1,355 @@
+"""Issue 19: real model shapes (random init) through sft, trl.SFTTrainer and plain transformers.Trainer, each run in
+a fresh process with the same data, steps, batch and seed. Reached through scripts/bench.py (--model or --suite).
+
+    python scripts/bench.py --device cuda --model qwen2.5-0.5b --method full --max_length 2048 --packing on
+    python scripts/bench.py --device cuda --suite issue19 --json $OUT/issue19.json   # the whole issue-19 set
+    python scripts/bench.py --model tiny --method qlora --max_length 128 --rows 48 --steps 2 --batch 2  # CPU check
+
+Shapes come from sft/architectures.py (`known_config`); the tokenizers from ../shared/fixtures/tokenizers. Where
+the tokenizer's vocabulary is smaller than the config's (Qwen2.5 pads its embedding to 151936), the model is built
+with the tokenizer's size and the result says so (`vocab_size`, `config_vocab_size`).
+"""
+
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench import FIXTURES, REPO, alpaca_rows, matmul_peak, model_flops
+
+TOKENIZERS = FIXTURES / "tokenizers"
+MODELS = {  # name: (key of sft's architecture table, tokenizer fixture)
+    "tiny": ("qwen/qwen2.5-0.5b", "qwen2.5-coder-3b-instruct"),
+    "qwen2.5-0.5b": ("qwen/qwen2.5-0.5b", "qwen2.5-coder-3b-instruct"),
+    "qwen2.5-7b": ("qwen/qwen2.5-7b", "qwen2.5-coder-3b-instruct"),
+    "llama-3.2-1b": ("meta-llama/llama-3.2-1b", "meta-llama-3-8b-instruct"),
+    "llama-3.1-8b": ("meta-llama/llama-3.1-8b", "meta-llama-3-8b-instruct"),
+}
+# The CPU check's shape: the Qwen2.5 family shrunk (the real tokenizer's vocabulary is kept).
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TOOLS = ("sft", "trl", "plain")
+WARMUP = 2
+# The adapter and 4-bit settings of the shipped 8B recipes (recipes/llama-3.1-8b-instruct/{lora,qlora}.yaml).
+LORA = dict(r=16, alpha=32, dropout=0.05)
+
+
+@dataclass
+class Job:
+    model: str
+    method: str  # full | lora | qlora
+    batch: int
+    checkpointing: bool
+    steps: int = 8
+
+
+# Full fine-tunes without checkpointing (they fit in 80 GB); the 8B jobs at the recipes' micro-batch 2 with
+# checkpointing on, which the QLoRA 24 GB goal needs. Split for two device calls if one is too slow.
+SUITES = {
+    "issue19-full": [Job("qwen2.5-0.5b", "full", 8, False), Job("llama-3.2-1b", "full", 8, False)],
+    "issue19-8b": [Job("llama-3.1-8b", "lora", 2, True, 6), Job("llama-3.1-8b", "qlora", 2, True, 6)],
+}
+SUITES["issue19"] = SUITES["issue19-full"] + SUITES["issue19-8b"]
+
+
+# ---- setup (parent process) ----
+
+def build_model(model: str, device: str, folder: Path) -> dict:
+    """Save the tokenizer and a seed-0 random model of the named shape (bf16 on GPU) into `folder`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(REPO))
+    from sft.architectures import known_config
+
+    key, tokenizer_name = MODELS[model]
+    # The Llama-3 fixture has only tokenizer.model (tiktoken format); converting it needs `tiktoken`, so it is done
+    # once here and the workers load the saved tokenizer.json.
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZERS / tokenizer_name)
+    config = known_config(key)
+    for name, value in (TINY if model == "tiny" else {}).items():
+        setattr(config, name, value)
+    if getattr(config, "layer_types", None):  # per-layer attention types must match the (tiny) depth
+        config.layer_types = config.layer_types[:config.num_hidden_layers]
+    config_vocab = config.vocab_size
+    config.vocab_size = min(config_vocab, len(tokenizer))  # unused padding rows would only cost memory and FLOPs
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise on the GPU: an 8B model on the CPU takes minutes
+        AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    torch.cuda.empty_cache() if device == "cuda" else None
+    return {"architecture": key, "tokenizer": tokenizer_name, "vocab_size": config.vocab_size,
+            "config_vocab_size": config_vocab}
+
+
+# ---- one measured run (worker process) ----
+
+def clock_callback(spec: dict, record: dict):
+    """Trainer callback: wall time at the end of every optimizer step (GPU synchronised) and the logged losses."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if spec["device"] == "cuda":
+                import torch
+                torch.cuda.synchronize()  # one sync per optimizer step: step ends are real, not queued
+            record["ends"].append(time.time())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                record["losses"].append(float(logs["loss"]))
+
+    return Clock()
+
+
+def example_lengths(inputs: dict) -> list[int]:
+    """Example lengths in one micro-batch: runs of restarting position ids (packed or padding-free rows), else the
+    unpadded rows. Host tensors (the Trainer moves them later), so no GPU sync."""
+    mask, pos = inputs.get("attention_mask"), inputs.get("position_ids")
+    if pos is None:
+        return mask.sum(-1).tolist() if mask is not None else [inputs["input_ids"].shape[1]] * len(inputs["input_ids"])
+    pos = pos[mask.bool()] if mask is not None else pos.flatten()
+    starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def count_batches(trainer, record: dict) -> None:
+    """Record tokens, trained tokens and causal query-key pairs of every micro-batch the trainer trains on."""
+    original = trainer.training_step
+
+    def counting(model, inputs, num_items_in_batch=None):
+        lengths = example_lengths(inputs)
+        record["batches"].append((sum(lengths), int((inputs["labels"][:, 1:] != -100).sum()),
+                                  sum(n * (n + 1) // 2 for n in lengths)))
+        return original(model, inputs, num_items_in_batch)
+
+    trainer.training_step = counting  # benchmark instrumentation only
+
+
+def common_args(spec: dict) -> dict:
+    """TrainingArguments every tool shares: same batch, steps, optimizer, schedule and seed."""
+    cuda = spec["device"] == "cuda"
+    return {"output_dir": str(Path(spec["workdir"]) / f"out-{spec['tool']}"), "per_device_train_batch_size":
+            spec["batch"], "max_steps": spec["steps"] + WARMUP, "learning_rate": 1e-4, "lr_scheduler_type": "constant",
+            "logging_steps": 1, "save_strategy": "no", "report_to": "none", "seed": 0, "bf16": cuda, "use_cpu": not cuda}
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+
+
+def load_model(spec: dict):
+    """The saved model as trl and plain Trainer users load it: bf16 (fp32 on CPU), 4-bit NF4 for QLoRA."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
+    kwargs = {"dtype": dtype, "attn_implementation": "sdpa"}
+    if spec["method"] == "qlora":
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+        kwargs["device_map"] = {"": 0 if spec["device"] == "cuda" else "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(Path(spec["workdir"]) / "model", **kwargs)
+    model.config.use_cache = False
+    return model
+
+
+def sft_trainer(spec: dict, callback):
+    """sft's recipe path: its packer, chunked loss, fused AdamW default, LoRA/QLoRA from recipe keys."""
+    from sft.dataset import prepare_splits
+    from sft.model import load_model as sft_load_model, load_tokenizer
+    from sft.recipe import load_recipe
+    from sft.stats import compute_stats
+    from sft.trainer import SFTTrainer
+    from sft.training import apply_packing
+
+    workdir, peft = Path(spec["workdir"]), spec["method"] != "full"
+    recipe = common_args(spec) | {
+        "model_name_or_path": str(workdir / "model"), "dataset": str(workdir / "data.jsonl"),
+        "dataset_format": "prompt_completion", "max_length": spec["max_length"], "packing": spec["packing"],
+        "dtype": "bfloat16" if spec["device"] == "cuda" else "float32", "attn_implementation": "sdpa",
+        "activation_checkpointing": spec["checkpointing"], "use_peft": peft, "load_in_4bit": spec["method"] == "qlora"}
+    if peft:
+        recipe |= {"lora_r": LORA["r"], "lora_alpha": LORA["alpha"], "lora_dropout": LORA["dropout"]}
+    config = load_recipe(recipe)
+    tokenizer = load_tokenizer(config)
+    train, _ = prepare_splits(config, tokenizer)
+    stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows)
+    dataset, _ = apply_packing(config, train.dataset, None, stats)
+    return SFTTrainer(model=sft_load_model(config, tokenizer), args=config, processing_class=tokenizer,
+                      train_dataset=dataset, callbacks=[callback])
+
+
+def trl_trainer(spec: dict, callback):
+    """TRL's best configuration: BFD packing, padding-free, Liger kernels where liger_kernel imports (GPU)."""
+    import importlib.util
+
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    workdir = Path(spec["workdir"])
+    liger = spec["device"] == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+    config = SFTConfig(**common_args(spec), max_length=spec["max_length"], packing=spec["packing"],
+                       padding_free=spec["packing"], use_liger_kernel=liger,
+                       gradient_checkpointing=spec["checkpointing"])
+    data = datasets.load_dataset("json", data_files=str(workdir / "data.jsonl"), split="train")
+    return SFTTrainer(model=load_model(spec), args=config, train_dataset=data,
+                      processing_class=AutoTokenizer.from_pretrained(workdir / "model"),
+                      peft_config=lora_config() if spec["method"] != "full" else None, callbacks=[callback])
+
+
+def plain_trainer(spec: dict, callback):
+    """transformers.Trainer as its docs teach: tokenized prompt + completion (prompt masked), padded batches."""
+    from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    workdir = Path(spec["workdir"])
+    tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    rows = [json.loads(line) for line in (workdir / "data.jsonl").read_text().splitlines()]
+    prompts = tokenizer([r["prompt"] for r in rows])["input_ids"]
+    answers = tokenizer([r["completion"] for r in rows], add_special_tokens=False)["input_ids"]
+    data = [{"input_ids": (p + a + [tokenizer.eos_token_id])[:spec["max_length"]],
+             "labels": ([-100] * len(p) + a + [tokenizer.eos_token_id])[:spec["max_length"]]}
+            for p, a in zip(prompts, answers)]
+    model = load_model(spec)
+    if spec["method"] != "full":
+        from peft import get_peft_model, prepare_model_for_kbit_training
+
+        if spec["method"] == "qlora":
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec["checkpointing"])
+        elif spec["checkpointing"]:
+            model.enable_input_require_grads()  # checkpointed frozen embeddings would otherwise cut the graph
+        model = get_peft_model(model, lora_config())
+    args = TrainingArguments(**common_args(spec), gradient_checkpointing=spec["checkpointing"])
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=[callback],
+                   data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+
+
+def worker(spec: dict) -> dict:
+    """One fresh-process run of one tool; time to first step counts from the parent's spawn of this process."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    record = {"ends": [], "losses": [], "batches": []}
+    build = {"sft": sft_trainer, "trl": trl_trainer, "plain": plain_trainer}[spec["tool"]]
+    trainer = build(spec, clock_callback(spec, record))
+    count_batches(trainer, record)
+    trainer.train()
+    ends, timed = record["ends"], record["batches"][WARMUP:]
+    seconds = ends[-1] - ends[WARMUP - 1]
+    tokens, trained, pairs = (sum(b[i] for b in timed) for i in range(3))
+    flops = model_flops(trainer.model.config, tokens, pairs, frozen=spec["method"] != "full")
+    cuda = spec["device"] == "cuda"
+    return {"tool": spec["tool"], "tokens_per_s": tokens / seconds, "trained_tokens_per_s": trained / seconds,
+            "tokens_per_step": tokens / spec["steps"], "step_seconds": seconds / spec["steps"],
+            "model_flops_per_s": flops / seconds, "time_to_first_step_s": ends[0] - spec["t0"],
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "final_loss": record["losses"][-1], "losses": record["losses"],
+            "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+            "liger": bool(getattr(trainer.args, "use_liger_kernel", False)),
+            "optim": getattr(trainer.args.optim, "value", trainer.args.optim)}
+
+
+# ---- orchestration (parent process) ----
+
+def spawn(spec: dict, timeout: float) -> dict:
+    """Run one tool in a fresh process; a failure or time-out is recorded, not fatal, so the suite goes on."""
+    spec = dict(spec, t0=time.time())
+    command = [sys.executable, str(Path(__file__).with_name("bench.py")), "--gpu_worker", json.dumps(spec)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        return {"tool": spec["tool"], "error": f"timed out after {timeout:.0f} s (suite budget)"}
+    if done.returncode != 0:
+        return {"tool": spec["tool"], "error": done.stderr[-3000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def ratios(runs: dict, peak: float) -> dict:
+    """MFU of each run, and sft's ratios to trl and plain (tokens/s, MFU, peak memory, time to first step)."""
+    for run in runs.values():
+        if "model_flops_per_s" in run:
+            run["mfu"] = run["model_flops_per_s"] / peak
+    out, sft = {}, runs.get("sft", {})
+    for other in ("trl", "plain"):
+        base = runs.get(other, {})
+        for key in ("tokens_per_s", "mfu", "peak_memory_bytes", "time_to_first_step_s"):
+            if sft.get(key) and base.get(key):
+                out[f"sft/{other} {key}"] = sft[key] / base[key]
+    return out
+
+
+def run_job(job: Job, args, root: Path, peak: float, deadline: float) -> dict:
+    workdir = root / f"{job.model}-{job.method}"
+    (workdir / "model").mkdir(parents=True)
+    (workdir / "data.jsonl").write_text("\n".join(json.dumps(r) for r in alpaca_rows(args.rows)) + "\n")
+    result = {"job": asdict(job), "model": build_model(job.model, args.device, workdir / "model"), "runs": {}}
+    spec = asdict(job) | {"workdir": str(workdir), "device": args.device, "max_length": args.max_length,
+                          "packing": args.packing != "off"}
+    for tool in args.tools.split(","):
+        result["runs"][tool] = spawn(spec | {"tool": tool}, deadline - time.time())
+        print(f"  {job.model} {job.method} {tool}: {result['runs'][tool].get('tokens_per_s', 'failed')}",
+              file=sys.stderr)
+    result["ratios"] = ratios(result["runs"], peak)
+    return result
+
+
+def table(results: dict) -> str:
+    lines = [f"matmul peak measured (bf16 on GPU, fp32 on CPU): {results['peak_flops'] / 1e12:.2f} TFLOP/s "
+             f"({results['device_name']}); peak GB: torch.cuda.max_memory_allocated (CPU: process peak RSS)",
+             f"{'model':<14}{'method':<7}{'tool':<6}{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
+             f"{'loss':>8}  sft/tool tok/s", "-" * 90]
+    for job in results["jobs"]:
+        for tool, run in job.get("runs", {}).items():
+            head = f"{job['job']['model']:<14}{job['job']['method']:<7}{tool:<6}"
+            if "error" in run:
+                lines.append(head + "failed: " + run["error"].strip().splitlines()[-1][:60])
+                continue
+            memory = run["peak_memory_bytes"] / 1e9
+            ratio = job["ratios"].get(f"sft/{tool} tokens_per_s")
+            lines.append(head + f"{run['tokens_per_s']:>11,.0f}{run['mfu']:>7.1%}{memory:>9.2f}"
+                         f"{run['time_to_first_step_s']:>11.1f}{run['final_loss']:>8.3f}"
+                         + (f"  {ratio:.2f}x" if ratio else ""))
+    return "\n".join(lines)
+
+
+def main(args) -> None:
+    import torch
+
+    start = time.time()
+    jobs = SUITES[args.suite] if args.suite else [Job(args.model, args.method, args.batch, args.checkpointing == "on",
+                                                      args.steps)]
+    results = {"setup": {k: v for k, v in vars(args).items() if k != "gpu_worker"}, "jobs": [],
+               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               "versions": versions(), "peak_flops": matmul_peak(args.device)}
+    with tempfile.TemporaryDirectory(prefix="sft-bench-gpu-") as tmp:
+        for job in jobs:
+            if time.time() > start + args.budget_s:  # no time left: do not build (and save) another model
+                results["jobs"].append({"job": asdict(job), "skipped": "suite budget spent"})
+                continue
+            results["jobs"].append(run_job(job, args, Path(tmp), results["peak_flops"], start + args.budget_s))
+            if args.json:  # after every job: a device call cut short still returns what was measured
+                Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    print(table(results))
+
+
+def versions() -> dict:
+    import importlib.metadata as meta
+
+    found = {}
+    for name in ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "liger-kernel", "datasets"):
+        try:
+            found[name] = meta.version(name)
+        except meta.PackageNotFoundError:
+            found[name] = None
+    return found
