@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu.add_argument("--method", choices=("full", "lora", "qlora"), default="full")
     gpu.add_argument("--checkpointing", choices=("on", "off"), default="off", help="gradient checkpointing, all tools")
     gpu.add_argument("--tools", default="sft,trl,plain", help="comma-separated: sft, trl, plain")
+    gpu.add_argument("--liger", choices=("auto", "off"), default="auto", help="trl: use_liger_kernel where it imports")
     gpu.add_argument("--suite", choices=("issue19", "issue19-full", "issue19-8b"), help="a fixed set of jobs")
     gpu.add_argument("--budget_s", type=float, default=540, help="runs not finished by then are recorded as timed out")
     parser.add_argument("--gpu_worker", help=argparse.SUPPRESS)

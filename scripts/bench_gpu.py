@@ -10,6 +10,7 @@ the tokenizer's vocabulary is smaller than the config's (Qwen2.5 pads its embedd
 with the tokenizer's size and the result says so (`vocab_size`, `config_vocab_size`).
 """
 
+import gc
 import json
 import resource
 import subprocess
@@ -80,8 +81,11 @@ def build_model(model: str, device: str, folder: Path) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: an 8B model on the CPU takes minutes
-        AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(folder)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    del model
+    gc.collect()  # free the parent's copy before the workers need the GPU
     torch.cuda.empty_cache() if device == "cuda" else None
     return {"architecture": key, "tokenizer": tokenizer_name, "vocab_size": config.vocab_size,
             "config_vocab_size": config_vocab}
@@ -134,9 +138,11 @@ def count_batches(trainer, record: dict) -> None:
 def common_args(spec: dict) -> dict:
     """TrainingArguments every tool shares: same batch, steps, optimizer, schedule and seed."""
     cuda = spec["device"] == "cuda"
-    return {"output_dir": str(Path(spec["workdir"]) / f"out-{spec['tool']}"), "per_device_train_batch_size":
+    return {"output_dir": str(Path(spec["workdir"]) / f"out-{spec['method']}-{spec['tool']}"),
+            "per_device_train_batch_size":
             spec["batch"], "max_steps": spec["steps"] + WARMUP, "learning_rate": 1e-4, "lr_scheduler_type": "constant",
-            "logging_steps": 1, "save_strategy": "no", "report_to": "none", "seed": 0, "bf16": cuda, "use_cpu": not cuda}
+            "logging_steps": 1, "save_strategy": "no", "report_to": "none", "seed": 0, "bf16": cuda,
+            "use_cpu": not cuda}
 
 
 def lora_config():
@@ -176,7 +182,7 @@ def sft_trainer(spec: dict, callback):
         "model_name_or_path": str(workdir / "model"), "dataset": str(workdir / "data.jsonl"),
         "dataset_format": "prompt_completion", "max_length": spec["max_length"], "packing": spec["packing"],
         "dtype": "bfloat16" if spec["device"] == "cuda" else "float32", "attn_implementation": "sdpa",
-        "activation_checkpointing": spec["checkpointing"], "use_peft": peft, "load_in_4bit": spec["method"] == "qlora"}
+        "gradient_checkpointing": spec["checkpointing"], "use_peft": peft, "load_in_4bit": spec["method"] == "qlora"}
     if peft:
         recipe |= {"lora_r": LORA["r"], "lora_alpha": LORA["alpha"], "lora_dropout": LORA["dropout"]}
     config = load_recipe(recipe)
@@ -197,7 +203,7 @@ def trl_trainer(spec: dict, callback):
     from trl import SFTConfig, SFTTrainer
 
     workdir = Path(spec["workdir"])
-    liger = spec["device"] == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+    liger = spec["liger"] and spec["device"] == "cuda" and importlib.util.find_spec("liger_kernel") is not None
     config = SFTConfig(**common_args(spec), max_length=spec["max_length"], packing=spec["packing"],
                        padding_free=spec["packing"], use_liger_kernel=liger,
                        gradient_checkpointing=spec["checkpointing"])
@@ -290,12 +296,15 @@ def ratios(runs: dict, peak: float) -> dict:
 
 
 def run_job(job: Job, args, root: Path, peak: float, deadline: float) -> dict:
-    workdir = root / f"{job.model}-{job.method}"
-    (workdir / "model").mkdir(parents=True)
-    (workdir / "data.jsonl").write_text("\n".join(json.dumps(r) for r in alpaca_rows(args.rows)) + "\n")
-    result = {"job": asdict(job), "model": build_model(job.model, args.device, workdir / "model"), "runs": {}}
+    workdir = root / job.model  # one saved model per shape: the 8B LoRA and QLoRA jobs share its 16 GB
+    if not (workdir / "model.json").exists():
+        (workdir / "model").mkdir(parents=True)
+        (workdir / "data.jsonl").write_text("\n".join(json.dumps(r) for r in alpaca_rows(args.rows)) + "\n")
+        info = build_model(job.model, args.device, workdir / "model")
+        (workdir / "model.json").write_text(json.dumps(info))
+    result = {"job": asdict(job), "model": json.loads((workdir / "model.json").read_text()), "runs": {}}
     spec = asdict(job) | {"workdir": str(workdir), "device": args.device, "max_length": args.max_length,
-                          "packing": args.packing != "off"}
+                          "packing": args.packing != "off", "liger": args.liger == "auto"}
     for tool in args.tools.split(","):
         result["runs"][tool] = spawn(spec | {"tool": tool}, deadline - time.time())
         print(f"  {job.model} {job.method} {tool}: {result['runs'][tool].get('tokens_per_s', 'failed')}",
@@ -310,6 +319,8 @@ def table(results: dict) -> str:
              f"{'model':<14}{'method':<7}{'tool':<6}{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
              f"{'loss':>8}  sft/tool tok/s", "-" * 90]
     for job in results["jobs"]:
+        if "skipped" in job:
+            lines.append(f"{job['job']['model']:<14}{job['job']['method']:<7}skipped: {job['skipped']}")
         for tool, run in job.get("runs", {}).items():
             head = f"{job['job']['model']:<14}{job['job']['method']:<7}{tool:<6}"
             if "error" in run:
@@ -336,8 +347,8 @@ def main(args) -> None:
         for job in jobs:
             if time.time() > start + args.budget_s:  # no time left: do not build (and save) another model
                 results["jobs"].append({"job": asdict(job), "skipped": "suite budget spent"})
-                continue
-            results["jobs"].append(run_job(job, args, Path(tmp), results["peak_flops"], start + args.budget_s))
+            else:
+                results["jobs"].append(run_job(job, args, Path(tmp), results["peak_flops"], start + args.budget_s))
             if args.json:  # after every job: a device call cut short still returns what was measured
                 Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     print(table(results))
