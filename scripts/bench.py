@@ -236,11 +236,11 @@ def model_flops(config, tokens: float, attention_pairs: float = 0, frozen: bool 
     (heads x head_dim) FLOPs per causal query-key pair and layer forward, x3 with the backward.
     `attention_pairs` = sum of n(n+1)/2 over the examples (each attends only within itself); 0 leaves it out."""
     h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
-    kv = config.num_key_value_heads * (h // config.num_attention_heads)
-    per_layer = h * (h + 2 * kv + h) + 3 * h * inter
-    matmul_params = layers * per_layer + config.vocab_size * h  # the LM head; the embedding lookup is no matmul
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    attention = 12 * layers * config.num_attention_heads * head_dim * attention_pairs
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = h * (q + 2 * kv + q) + 3 * h * inter
+    matmul_params = layers * per_layer + config.vocab_size * h  # the LM head; the embedding lookup is no matmul
+    attention = 12 * layers * q * attention_pairs
     return (4 if frozen else 6) * matmul_params * tokens + attention
 
 

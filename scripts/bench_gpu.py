@@ -86,7 +86,8 @@ def build_model(model: str, device: str, folder: Path) -> dict:
     tokenizer.save_pretrained(folder)
     del model
     gc.collect()  # free the parent's copy before the workers need the GPU
-    torch.cuda.empty_cache() if device == "cuda" else None
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return {"architecture": key, "tokenizer": tokenizer_name, "vocab_size": config.vocab_size,
             "config_vocab_size": config_vocab}
 
