@@ -75,6 +75,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * scale.to(grad_hidden.dtype), weight_grad, None, None, None, None
 
 
+def chunk_rows(vocab_size: int) -> int:
+    """Rows of logits per chunk for a vocabulary (the planner and the simulated step use the same rule)."""
+    return max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // vocab_size)
+
+
 def supports_chunked_loss(model: nn.Module) -> bool:
     """Whether `model` is a causal LM whose logits are a plain linear head over its decoder's output."""
     if not isinstance(model, PreTrainedModel):  # SFTTrainer also takes plain nn.Modules, as Trainer does
@@ -140,7 +145,7 @@ def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: 
     targets = labels[:, 1:]
     keep = targets != IGNORE_INDEX
     weight = self.get_output_embeddings().weight
-    chunk = max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // weight.shape[0])
+    chunk = chunk_rows(weight.shape[0])
     normalizer = keep.sum() if num_items_in_batch is None else num_items_in_batch
     normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
     if torch.is_grad_enabled():

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config import SFTConfig
-from sft.loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS, LinearCrossEntropy, supports_chunked_loss
+from sft.loss import LinearCrossEntropy, chunk_rows, chunked_token_losses, supports_chunked_loss
 from sft.model import DTYPES
 from sft.quantization import compute_dtype
 
@@ -162,19 +162,30 @@ def materialize(model: nn.Module) -> None:
                     store[name] = fake(tensor)
 
 
+def chunked_applies(model: nn.Module, config: SFTConfig) -> bool:
+    """Whether SFTTrainer attaches the chunked loss to this model (sft.loss.attach_chunked_loss), under any preset."""
+    return config.chunked_loss and supports_chunked_loss(_base(model))
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def trained_rows(hidden: torch.Tensor) -> torch.Tensor:
+    """chunked_forward's `hidden[:, :-1][keep]` with every position trained. The boolean mask gives a
+    data-dependent shape fake tensors cannot follow; this slice is the same rows, copied as the mask copies them."""
+    return hidden[:, :-1].clone(memory_format=torch.contiguous_format).flatten(0, 1)
+
+
 def loss_of(model: nn.Module, config: SFTConfig, ids: torch.Tensor) -> torch.Tensor:
     """The training loss as SFTTrainer computes it (chunked loss where it applies), every position trained."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    chunked = config.chunked_loss and not config.fsdp and not config.deepspeed and supports_chunked_loss(base)
-    if not chunked:
+    if not chunked_applies(model, config):
         return model(input_ids=ids, labels=ids, use_cache=False).loss
+    base = _base(model)
     hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-    # chunked_causal_loss selects the trained positions by a boolean mask, a data-dependent shape fake tensors
-    # cannot follow; with every position trained the selection is this slice (a copy, as the mask's result is).
-    picked = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     weight = base.get_output_embeddings().weight
-    chunk = max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // weight.shape[0])
-    return LinearCrossEntropy.apply(picked, weight, ids[:, 1:].reshape(-1), torch.tensor(float(ids.numel())), chunk)
+    return LinearCrossEntropy.apply(trained_rows(hidden), weight, ids[:, 1:].reshape(-1),
+                                    torch.tensor(float(ids.numel())), chunk_rows(weight.shape[0]))
 
 
 def trace_step(config: SFTConfig, model_config: PretrainedConfig, fake: bool = True, evaluate: bool = False) -> Trace:
@@ -218,14 +229,25 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, config: SFTC
 
 
 def eval_step(model: nn.Module, config: SFTConfig, vocab_size: int, device: str) -> None:
-    """One eval batch as SFTTrainer evaluates: the model's own loss over full logits, then the token sum again."""
-    from sft.loss import reference_causal_loss
+    """One eval batch as SFTTrainer evaluates it: chunked_forward's no-grad branch (per-position token losses from
+    one chunk of logits at a time) where the chunked loss applies, else the model's own full-logits loss and
+    SFTMixin's token-loss pass over those logits."""
+    from sft.trainer import token_cross_entropy
 
     model.eval()
     ids = torch.randint(0, vocab_size, (config.per_device_eval_batch_size, config.max_length), device=device)
     with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16)):
-        outputs = model(input_ids=ids, labels=ids, use_cache=False)
-        reference_causal_loss(outputs.logits.float(), ids, 1)  # SFTMixin._add_eval_tokens
+        if not chunked_applies(model, config):
+            outputs = model(input_ids=ids, labels=ids, use_cache=False)
+            token_cross_entropy(outputs.logits, ids, shifted=True)  # SFTMixin._add_eval_tokens
+            return
+        base = _base(model)
+        hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        weight = base.get_output_embeddings().weight
+        targets = ids[:, 1:]
+        token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=device)
+        token_losses.view(-1)[:] = chunked_token_losses(trained_rows(hidden), weight, targets.reshape(-1),
+                                                         chunk_rows(weight.shape[0]))
 
 
 def trace_note(config: SFTConfig, plan: "Plan") -> str:

@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 from sft.config import SFTConfig
 from sft.distributed import fsdp_config_dict, zero_stage
 from sft.hardware import GPU
-from sft.loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS, PLAIN_HEAD_MODELS
+from sft.loss import PLAIN_HEAD_MODELS, chunk_rows
 
 GIB = 2 ** 30
 # Bytes a token keeps per decoder layer without checkpointing, as multiples of (hidden, attention width
@@ -33,7 +33,15 @@ LAYER_BYTES = {"full": (16.0, 8.0, 8.0), "lora": (40.4, 14.2, 13.0), "qlora": (3
 BACKWARD_I_BYTES = 11
 EAGER_SCORE_BYTES = 6  # per attention score per head, eager attention only (sdpa/flash keep no T x T tensor)
 METHODS = ("full", "lora", "qlora")
-EVAL_LOGIT_BYTES = 14  # bytes per eval logit at the peak (MemTracker of sft's eval step; tests/test_plan.py)
+FULL_LOGIT_BYTES = 14  # per logit where training runs no chunked loss: bf16, float32 copy, log-softmax, gradient
+# per logit where eval runs no chunked loss: bf16, float32 copy, log-softmax (the model's loss frees its own before
+# SFTMixin's token-loss pass makes the same again); MemTracker of memtrace.eval_step, tests/test_plan.py
+EVAL_LOGIT_BYTES = 10
+# Eval (no grad) keeps no activations, only one layer's transient: bytes per token as multiples of (hidden, MLP
+# width). Full: the MLP's activation, up projection and product (6i), residual, normed input and the norm's float32
+# temporaries (8h); LoRA adds float32 copies of adapted inputs, QLoRA a float32 residual stream. Fitted to
+# MemTracker's peak of the eval step (memtrace.eval_step) across widths; tests/test_plan.py checks it.
+EVAL_LAYER_BYTES = {"full": (8.0, 6.0), "lora": (12.0, 8.0), "qlora": (18.0, 8.0)}
 CUDA_CONTEXT_GIB = 0.6  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
 FRAGMENTATION = 0.08  # caching-allocator slack over the allocated peak (typical reserved/allocated on LLM training)
 DDP_BUCKETS = 2 * 25 * 2 ** 20  # DDP's gradient buckets (25 MB, two in flight)
@@ -57,7 +65,7 @@ class Setup:
     preset: str
     """single, ddp, fsdp, fsdp_hybrid (sharded within a node), fsdp_offload, zero2, zero3 or zero3_offload."""
     eval_batch: int = 1
-    """per_device_eval_batch_size (eval keeps full logits, which can outgrow training)."""
+    """per_device_eval_batch_size."""
     num_gpus: int = 1
     """GPUs per node."""
     num_nodes: int = 1
@@ -245,19 +253,19 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
     return {"activations": saved + tokens * residual * h * 3, "lm head / loss": max(head, backward)}
 
 
-def chunked_loss_applies(config: SFTConfig, arch: PretrainedConfig, setup: Setup) -> bool:
-    """Whether SFTTrainer uses the chunked loss (sft.loss) for this recipe: plain heads, no FSDP/DeepSpeed."""
+def chunked_loss_applies(config: SFTConfig, arch: PretrainedConfig) -> bool:
+    """Whether SFTTrainer attaches the chunked loss (sft.loss.supports_chunked_loss, from the config alone): plain
+    heads, under every preset, in training and eval."""
     return (config.chunked_loss and arch.model_type in PLAIN_HEAD_MODELS and not arch.is_encoder_decoder
-            and setup.preset in ("single", "ddp"))
+            and not getattr(arch, "output_router_logits", False))
 
 
 def head_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: int, trainable: bool) -> int:
     """The LM head and loss at their peak: chunked (one chunk of logits) or full logits."""
     vocab, h = arch.vocab_size, arch.hidden_size
-    if not chunked_loss_applies(config, arch, setup):
-        return tokens * vocab * 14  # bf16 logits, float32 copy, log-softmax, and its gradient
-    chunk = max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // vocab)
-    logits = min(chunk, tokens) * vocab * 10  # float32 logits (turned into probabilities in place), bf16 grad
+    if not chunked_loss_applies(config, arch):
+        return tokens * vocab * FULL_LOGIT_BYTES
+    logits = min(chunk_rows(vocab), tokens) * vocab * 10  # float32 logits (probabilities in place), bf16 gradient
     # the head's gradient is accumulated in float32 and scaled once more in backward (2 x 4 bytes) then cast
     weight_grad = vocab * h * 10 if trainable else 0
     if setup.method == "qlora":  # k-bit preparation made the head float32: autocast casts it to bf16 per chunk
@@ -306,17 +314,30 @@ def train_peak(parts: dict[str, int], setup: Setup) -> int:
 
 
 def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup) -> int:
-    """Evaluation's transient (no gradients kept): full logits of an eval batch, plus the KV cache of generation."""
+    """Evaluation's transient (no gradients kept): sft's chunked eval forward, or full logits where the chunked loss
+    does not apply, plus the KV cache of generation."""
     if config.eval_strategy == "no" and not config.do_eval:
         return 0
     batch = setup.eval_batch
-    # bf16 logits, the loss's float32 copy and log-softmax, then SFTMixin's token-sum pass over another float32 copy
-    logits = batch * setup.max_length * arch.vocab_size * EVAL_LOGIT_BYTES
+    tokens = batch * setup.max_length
+    scale = 1 if (config.bf16 or config.fp16) else 2
+    if chunked_loss_applies(config, arch):
+        vocab, h = arch.vocab_size, arch.hidden_size
+        ch, ci = EVAL_LAYER_BYTES[setup.method]
+        decoder = tokens * (ch * h + ci * arch.intermediate_size) * scale
+        # the last hidden state and its trained rows, one chunk of bf16 logits + float32 copy + log-softmax, and
+        # the float32 token losses (chunked_token_losses' output and chunked_forward's per-position tensor)
+        head = tokens * 2 * h * 2 * scale + min(chunk_rows(vocab), tokens) * vocab * 10 + tokens * 8
+        if setup.method == "qlora":  # k-bit preparation made the head float32: autocast casts it per chunk
+            head += vocab * h * 2
+        memory = max(decoder, head)
+    else:
+        memory = tokens * arch.vocab_size * EVAL_LOGIT_BYTES
     if not config.predict_with_generate:
-        return logits
+        return memory
     new = config.max_new_tokens or config.generation_max_length or 128
     kv_width = arch.num_key_value_heads * head_dim(arch)
-    return logits + 2 * arch.num_hidden_layers * kv_width * (setup.max_length + new) * batch * 2
+    return memory + 2 * arch.num_hidden_layers * kv_width * (setup.max_length + new) * batch * 2
 
 
 def flops_per_token(arch: PretrainedConfig, model: Model, setup: Setup) -> tuple[float, float]:

@@ -214,16 +214,37 @@ def test_planner_within_10_percent_of_cuda_max_memory_allocated(method, checkpoi
     assert abs(planned / measured - 1) <= 0.10
 
 
-def test_eval_logits_match_the_traced_eval_step():
-    """Evaluation keeps full logits (no chunked loss), which can outgrow the training step."""
+@pytest.mark.parametrize("model,method,batch,length,chunked", [
+    ("meta-llama/Llama-3.2-1B", "full", 8, 1024, True),  # a decoder layer's transient is the peak
+    ("Qwen/Qwen2.5-0.5B", "full", 8, 512, True),  # the head's chunk of logits over a 150k vocabulary is
+    ("meta-llama/Llama-3.2-1B", "lora", 4, 1024, True),
+    ("meta-llama/Llama-3.2-1B", "qlora", 4, 1024, True),
+    ("meta-llama/Llama-3.2-1B", "full", 2, 512, False)])  # chunked_loss: false keeps full logits
+def test_eval_memory_matches_the_traced_eval_step(model, method, batch, length, chunked):
+    """The planner's eval term against the simulated eval step beyond its weights. Negative control: the
+    full-logits formula (what eval cost before it was chunked, and still costs with chunked_loss: false) is far
+    outside the band wherever eval is chunked."""
+    arch = small_arch(model, layers=2)
+    config = load_recipe({**recipe(model, method, 1, length, False), "eval_strategy": "steps",
+                          "per_device_eval_batch_size": batch, "eval_split_size": 0.1, "chunked_loss": chunked})
+    planned = planner.eval_bytes(config, arch, planner.setup_of(config, 1, 1))
+    trace = trace_step(config, arch, evaluate=True)
+    traced = trace.peak - trace.by_kind["Parameter"] - trace.by_kind.get("Buffer", 0)
+    assert abs(planned / traced - 1) < 0.10, (planned / 2 ** 20, traced / 2 ** 20)
+    full_logits = batch * length * arch.vocab_size * planner.EVAL_LOGIT_BYTES
+    assert (abs(full_logits / traced - 1) < 0.10) is not chunked, (full_logits / 2 ** 20, traced / 2 ** 20)
+
+
+def test_a_wrong_eval_layer_term_is_caught_by_the_trace(monkeypatch):
+    """Negative control for the decoder part of chunked eval: without it the plan falls outside the band."""
     arch = small_arch(layers=2)
     config = load_recipe({**recipe("meta-llama/Llama-3.2-1B", "full", 1, 1024, False), "eval_strategy": "steps",
-                          "per_device_eval_batch_size": 2, "eval_split_size": 0.1})
-    setup = planner.setup_of(config, 1, 1)
-    weights = planner.model_facts(config, arch, "full").weight_bytes
-    planned = weights + planner.eval_bytes(config, arch, setup)
-    traced = trace_step(config, arch, evaluate=True).peak
-    assert abs(planned / traced - 1) < 0.10, (planned / 2 ** 30, traced / 2 ** 30)
+                          "per_device_eval_batch_size": 8, "eval_split_size": 0.1})
+    trace = trace_step(config, arch, evaluate=True)
+    traced = trace.peak - trace.by_kind["Parameter"]
+    monkeypatch.setitem(planner.EVAL_LAYER_BYTES, "full", (0.0, 0.0))
+    planned = planner.eval_bytes(config, arch, planner.setup_of(config, 1, 1))
+    assert abs(planned / traced - 1) > 0.10, (planned / 2 ** 20, traced / 2 ** 20)
 
 
 def test_hybrid_fsdp_shards_within_a_node_only():
