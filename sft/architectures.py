@@ -57,17 +57,23 @@ def known_config(name: str) -> PretrainedConfig | None:
     return AutoConfig.for_model(sizes.pop("model_type"), **sizes)
 
 
-def model_architecture(name: str, revision: str | None = None) -> PretrainedConfig:
-    """The config of model `name`: a local folder or the HF cache, then the built-in table, then the Hub."""
+def model_architecture(name: str, revision: str | None = None, cache_dir: str | None = None,
+                       trust_remote_code: bool = False) -> PretrainedConfig:
+    """The config of model `name`: a local folder or the HF cache, then the built-in table, then the Hub.
+
+    The one place sft decides where a model's config comes from without loading it (`sft plan`, FSDP wrap classes):
+    offline sources first, so a known model never waits on the Hub's retries.
+    """
+    options = dict(revision=revision, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
     try:
-        return AutoConfig.from_pretrained(name, revision=revision, local_files_only=True)
+        return AutoConfig.from_pretrained(name, local_files_only=True, **options)
     except (OSError, ValueError):
         pass
     config = known_config(name)
     if config is not None:
         return config
     try:
-        return AutoConfig.from_pretrained(name, revision=revision)
+        return AutoConfig.from_pretrained(name, **options)
     except (OSError, ValueError):
         known = ", ".join(sorted(KNOWN_CONFIGS))
         raise SFTError(f"model_name_or_path: cannot find the config of {name!r} offline (not a local folder, not in "

@@ -10,10 +10,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from transformers import (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, AutoConfig,
-                          PretrainedConfig, Trainer)
+from transformers import (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, PretrainedConfig,
+                          Trainer)
 
 from sft.adapters import base_model_name, is_adapter_folder
+from sft.architectures import model_architecture
 from sft.catalog import shipped
 from sft.errors import SFTError
 
@@ -141,12 +142,11 @@ def wrap_classes(values: dict) -> list[str] | None:
     if is_adapter_folder(name):
         name = base_model_name(name)
     try:
-        config = AutoConfig.from_pretrained(name, revision=values.get("revision"), cache_dir=values.get("cache_dir"),
-                                            trust_remote_code=values.get("trust_remote_code", False))
-    except (OSError, ValueError) as err:
+        config = model_architecture(name, values.get("revision"), values.get("cache_dir"),
+                                    values.get("trust_remote_code", False))
+    except SFTError as err:
         # accelerate falls back to the model's _no_split_modules when it wraps, which is what we would pick too
-        log.warning("Could not read the config of %s (%s); FSDP will wrap the model's _no_split_modules.",
-                    name, str(err).splitlines()[0])
+        log.warning("%s FSDP will wrap the model's _no_split_modules.", err)
         return None
     return WRAP_CLASSES.get(config.model_type) or no_split_modules(config)
 

@@ -69,6 +69,12 @@ def test_unreachable_model_config_leaves_wrapping_to_no_split_modules(caplog):
     assert "_no_split_modules" in caplog.text
 
 
+def test_known_model_wraps_its_layers_without_the_hub():
+    """Wrap classes come from sft.architectures.model_architecture: a built-in model needs neither cache nor Hub."""
+    config = load_recipe({"model_name_or_path": "meta-llama/Llama-3.1-8B-Instruct", "distributed": "fsdp"})
+    assert config.fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+
+
 def test_activation_checkpointing_moves_to_fsdp_own(tmp_path):
     config = load_recipe({"model_name_or_path": str(tiny_config_dir(tmp_path, "llama")), "distributed": "fsdp",
                           "activation_checkpointing": True})
