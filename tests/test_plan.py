@@ -93,11 +93,15 @@ def test_4bit_storage_matches_bitsandbytes(shape, double_quant):
 
 
 def test_qlora_recipe_on_a_4090_prints_a_table_and_a_verdict(capsys):
+    """The 8B QLoRA recipe is the 24 GB card's recipe: with eval chunked, its eval batch costs less than training."""
     assert main(["plan", QLORA_8B, "--gpu", "RTX4090-24GB"]) == 0
     out = capsys.readouterr().out
     for line in ("weights", "optimizer states", "activations", "lm head / loss", "framework overhead", "time:"):
         assert line in out
-    assert re.search(r"^verdict: (FITS|DOES NOT FIT)", out, re.M)
+    assert re.search(r"^verdict: FITS", out, re.M)
+    gib = {name: float(re.search(rf"^{name}\s+([\d.]+)", out, re.M).group(1))
+           for name in ("training peak", "eval / generation")}
+    assert gib["eval / generation"] < gib["training peak"]
 
 
 def test_json_contract(capsys):
@@ -111,9 +115,9 @@ def test_json_contract(capsys):
 
 
 @pytest.mark.parametrize("path,gpu,gpus", [
-    ("llama-3.1-8b-instruct/lora.yaml", "RTX4090-24GB", 1),
+    ("llama-3.1-8b-instruct/lora.yaml", "T4-16GB", 1),
     ("llama-3.1-8b-instruct/full-fsdp.yaml", "A100-40GB", 2),
-    ("qwen2.5-0.5b-instruct/full.yaml", "T4-16GB", 1),
+    ("mistral-7b/zephyr-qlora.yaml", "T4-16GB", 1),
     ("alpaca-llama3-8b-lora.yaml", "T4-16GB", 1)])
 def test_overrides_that_make_it_fit_do_fit_when_replanned(path, gpu, gpus):
     config = load_recipe(REPO / "recipes" / path)
