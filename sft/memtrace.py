@@ -8,6 +8,7 @@ What the step does is what `sft train` does on one GPU: the model in the recipe'
 sft's chunked loss where it applies (else the model's own full-logits loss), fused AdamW, two optimizer steps (the
 second has optimizer state, as every step after the first does) of `gradient_accumulation_steps` micro-batches
 (at most two: a third adds nothing new). Every position is trained (the worst case the planner also assumes).
+The eval step is sft's eval forward: per-position token losses one chunk of logits at a time (sft.loss).
 
 bitsandbytes 4-bit weights cannot be faked (they quantize while moving to a GPU), so under QLoRA each quantized
 linear layer is a `FakeLinear4bit`: its packed storage and quantization constants have the sizes bitsandbytes

@@ -320,17 +320,8 @@ def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup) -> int:
         return 0
     batch = setup.eval_batch
     tokens = batch * setup.max_length
-    scale = 1 if (config.bf16 or config.fp16) else 2
     if chunked_loss_applies(config, arch):
-        vocab, h = arch.vocab_size, arch.hidden_size
-        ch, ci = EVAL_LAYER_BYTES[setup.method]
-        decoder = tokens * (ch * h + ci * arch.intermediate_size) * scale
-        # the last hidden state and its trained rows, one chunk of bf16 logits + float32 copy + log-softmax, and
-        # the float32 token losses (chunked_token_losses' output and chunked_forward's per-position tensor)
-        head = tokens * 2 * h * 2 * scale + min(chunk_rows(vocab), tokens) * vocab * 10 + tokens * 8
-        if setup.method == "qlora":  # k-bit preparation made the head float32: autocast casts it per chunk
-            head += vocab * h * 2
-        memory = max(decoder, head)
+        memory = chunked_eval_bytes(config, arch, setup, tokens)
     else:
         memory = tokens * arch.vocab_size * EVAL_LOGIT_BYTES
     if not config.predict_with_generate:
@@ -338,6 +329,20 @@ def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup) -> int:
     new = config.max_new_tokens or config.generation_max_length or 128
     kv_width = arch.num_key_value_heads * head_dim(arch)
     return memory + 2 * arch.num_hidden_layers * kv_width * (setup.max_length + new) * batch * 2
+
+
+def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: int) -> int:
+    """sft.loss.chunked_forward without grad: a decoder layer's transient, or later the head's, whichever is larger."""
+    vocab, h = arch.vocab_size, arch.hidden_size
+    scale = 1 if (config.bf16 or config.fp16) else 2  # the coefficients are for 16-bit compute
+    ch, ci = EVAL_LAYER_BYTES[setup.method]
+    decoder = tokens * (ch * h + ci * arch.intermediate_size) * scale
+    # the last hidden state and its trained rows, one chunk of bf16 logits + float32 copy + log-softmax, and the
+    # float32 token losses (chunked_token_losses' output and chunked_forward's per-position tensor)
+    head = tokens * 2 * h * 2 * scale + min(chunk_rows(vocab), tokens) * vocab * 10 + tokens * 8
+    if setup.method == "qlora":  # k-bit preparation made the head float32: autocast casts it to bf16 per chunk
+        head += vocab * h * 2
+    return int(max(decoder, head))
 
 
 def flops_per_token(arch: PretrainedConfig, model: Model, setup: Setup) -> tuple[float, float]:
