@@ -313,7 +313,7 @@ def train_peak(parts: dict[str, int], setup: Setup) -> int:
     return static + (acts + grads if setup.grad_accum > 1 else max(acts, grads))
 
 
-def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup) -> int:
+def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, model: Model) -> int:
     """Evaluation's transient (no gradients kept): sft's chunked eval forward, or full logits where the chunked loss
     does not apply, plus the KV cache of generation."""
     if config.eval_strategy == "no" and not config.do_eval:
@@ -321,7 +321,7 @@ def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup) -> int:
     batch = setup.eval_batch
     tokens = batch * setup.max_length
     if chunked_loss_applies(config, arch):
-        memory = chunked_eval_bytes(config, arch, setup, tokens)
+        memory = chunked_eval_bytes(config, arch, setup, tokens, model)
     else:
         memory = tokens * arch.vocab_size * EVAL_LOGIT_BYTES
     if not config.predict_with_generate:
@@ -331,18 +331,20 @@ def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup) -> int:
     return memory + 2 * arch.num_hidden_layers * kv_width * (setup.max_length + new) * batch * 2
 
 
-def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: int) -> int:
+def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: int, model: Model) -> int:
     """sft.loss.chunked_forward without grad: a decoder layer's transient, or later the head's, whichever is larger."""
     vocab, h = arch.vocab_size, arch.hidden_size
     scale = 1 if (config.bf16 or config.fp16) else 2  # the coefficients are for 16-bit compute
     ch, ci = EVAL_LAYER_BYTES[setup.method]
-    decoder = tokens * (ch * h + ci * arch.intermediate_size) * scale
+    decoder = tokens * (ch * h + ci * arch.intermediate_size) * scale + tokens * setup.max_length  # + bool mask
     # the last hidden state and its trained rows, one chunk of bf16 logits + float32 copy + log-softmax, and the
     # float32 token losses (chunked_token_losses' output and chunked_forward's per-position tensor)
     head = tokens * 2 * h * 2 * scale + min(chunk_rows(vocab), tokens) * vocab * 10 + tokens * 8
     if setup.method == "qlora":  # k-bit preparation made the head float32: autocast casts it to bf16 per chunk
         head += vocab * h * 2
-    return int(max(decoder, head))
+    # autocast keeps its bf16 copy of every float32 adapter weight until the forward ends
+    adapters = 2 * model.trainable if setup.method != "full" and scale == 1 else 0
+    return int(max(decoder, head) + adapters)
 
 
 def flops_per_token(arch: PretrainedConfig, model: Model, setup: Setup) -> tuple[float, float]:
@@ -359,7 +361,7 @@ def make_plan(config: SFTConfig, arch: PretrainedConfig, gpu: GPU, setup: Setup,
     parts = memory_breakdown(config, arch, setup, model)
     static = sum(parts[k] for k in ("weights", "gathered layers", "master weights (fp32)", "optimizer states"))
     train = train_peak(parts, setup)
-    evaluation = eval_bytes(config, arch, setup)
+    evaluation = eval_bytes(config, arch, setup, model)
     peak = max(train, static + evaluation)
     overhead = CUDA_CONTEXT_GIB * GIB + FRAGMENTATION * peak
     breakdown = {k: v / GIB for k, v in parts.items()}

@@ -231,7 +231,8 @@ def test_eval_memory_matches_the_traced_eval_step(model, method, batch, length, 
     arch = small_arch(model, layers=2)
     config = load_recipe({**recipe(model, method, 1, length, False), "eval_strategy": "steps",
                           "per_device_eval_batch_size": batch, "eval_split_size": 0.1, "chunked_loss": chunked})
-    planned = planner.eval_bytes(config, arch, planner.setup_of(config, 1, 1))
+    setup = planner.setup_of(config, 1, 1)
+    planned = planner.eval_bytes(config, arch, setup, planner.model_facts(config, arch, method))
     trace = trace_step(config, arch, evaluate=True)
     traced = trace.peak - trace.by_kind["Parameter"] - trace.by_kind.get("Buffer", 0)
     assert abs(planned / traced - 1) < 0.10, (planned / 2 ** 20, traced / 2 ** 20)
@@ -247,7 +248,8 @@ def test_a_wrong_eval_layer_term_is_caught_by_the_trace(monkeypatch):
     trace = trace_step(config, arch, evaluate=True)
     traced = trace.peak - trace.by_kind["Parameter"]
     monkeypatch.setitem(planner.EVAL_LAYER_BYTES, "full", (0.0, 0.0))
-    planned = planner.eval_bytes(config, arch, planner.setup_of(config, 1, 1))
+    setup = planner.setup_of(config, 1, 1)
+    planned = planner.eval_bytes(config, arch, setup, planner.model_facts(config, arch, "full"))
     assert abs(planned / traced - 1) > 0.10, (planned / 2 ** 20, traced / 2 ** 20)
 
 
