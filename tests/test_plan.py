@@ -220,7 +220,7 @@ def test_planner_within_10_percent_of_cuda_max_memory_allocated(method, checkpoi
 
 @pytest.mark.parametrize("model,method,batch,length,chunked", [
     ("meta-llama/Llama-3.2-1B", "full", 8, 1024, True),  # a decoder layer's transient is the peak
-    ("Qwen/Qwen2.5-0.5B", "full", 8, 512, True),  # the head's chunk of logits over a 150k vocabulary is
+    ("Qwen/Qwen2.5-0.5B", "full", 8, 512, True),  # one chunk of logits over a 150k vocabulary is the peak
     ("meta-llama/Llama-3.2-1B", "lora", 4, 1024, True),
     ("meta-llama/Llama-3.2-1B", "qlora", 4, 1024, True),
     ("meta-llama/Llama-3.2-1B", "full", 2, 512, False)])  # chunked_loss: false keeps full logits
