@@ -4,24 +4,32 @@ import json
 import logging
 import resource
 import time
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
 import transformers
 import yaml
 from safetensors.torch import save_file
+from transformers import GenerationConfig
 
 import sft.predict
 from conftest import REPO
+from sft.chat import ChatRenderer
 from sft.chat_templates import PRESETS
 from sft.cli import main
+from sft.encode import Encoding
+from sft.errors import SFTError
+from sft.generation import stop_token_ids
 from sft.predict import Example
 from sft.prove import prove_recipe, unproven_template_hint
 from sft.prove.batches import prove_batching, prove_packing
 from sft.prove.bench import Bench
 from sft.prove.generation import prove_generation
-from sft.prove.masks import prove_masks
+from sft.prove.masks import check_chat_row, prove_masks
 from sft.prove.result import Proof
 from sft.prove.runs import prove_resume, prove_save_load, save_like_train
 from sft.trainer import SFTTrainer
@@ -202,3 +210,64 @@ def test_every_shipped_recipe_passes_prove(recipe, monkeypatch):
     for proof in proofs:
         print(proof.line())
     assert all(p.passed is not False for p in proofs), [p.line() for p in proofs if not p.passed]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mask proof on every fixture chat template (../shared/fixtures/templates), called per row with a light bench
+# ---------------------------------------------------------------------------------------------------------------
+
+def chat_row_proof(name: str, kind: str, unstop: tuple[str, ...] = (),
+                   edit: Callable[[list[int]], list[int]] = list) -> tuple[list[str], Counter] | None:
+    """The mask proof's problems and tally on one sample conversation as sft encodes it with the family's
+    publisher stop tokens (the proof told that `unstop` are none; `edit` applied to each example's labels);
+    None when sft refuses the row."""
+    from test_template_masks import CONVERSATIONS, family_tokenizer
+
+    tok, stops = family_tokenizer(name)
+    row = CONVERSATIONS[kind]
+    try:
+        rendered = ChatRenderer(tok, generation_eos=stops).render_row(row, "chat.jsonl", 3)
+    except SFTError:  # a refusal is sft's answer for the row (prove_masks lets the SFTError through), no mask
+        return None
+    out = Encoding(tok, max_length=10**6).encode(rendered)
+    examples = [{"input_ids": ids, "labels": edit(labels)} for ids, labels in zip(out["input_ids"], out["labels"])]
+    bench = SimpleNamespace(tokenizer=tok, base=SimpleNamespace(train_on_last_turn_only=False,
+                                                                 assistant_only_loss=True))
+    tally: Counter = Counter()
+    ids = stop_token_ids(tok, GenerationConfig(eos_token_id=stops)) - set(tok.convert_tokens_to_ids(list(unstop)))
+    problems, _ = check_chat_row(bench, row, "messages", examples, ids, tally)
+    return problems, tally
+
+
+def test_mask_proof_passes_every_fixture_template_wherever_sft_trains_the_row():
+    from test_template_masks import CONVERSATIONS, FAMILIES, TEMPLATES
+
+    if not TEMPLATES.is_dir():
+        pytest.skip(f"fixture chat templates not found at {TEMPLATES}")
+    failures, proven = {}, 0
+    for name in sorted(FAMILIES):
+        for kind in CONVERSATIONS:
+            result = chat_row_proof(name, kind)
+            if result is None:
+                continue
+            problems, tally = result
+            proven += 1
+            if problems or not tally["turns"] or tally["unplaced"]:
+                failures[f"{name}/{kind}"] = problems or dict(tally)
+    assert not failures
+    assert proven >= 80  # most of the 28 x 4 rows are trained: the sweep is not vacuous
+
+
+@pytest.mark.parametrize("kind", ["multi", "tool"])
+def test_mask_proof_fails_glm_without_its_continuation_stop(kind):
+    """GLM's turns end with the next role tag the model writes, appended by sft. Negative controls: the proof
+    FAILs when that tag is not a stop token, and when sft would leave the appended tag untrained."""
+    from test_template_masks import TEMPLATES
+
+    if not TEMPLATES.is_dir():
+        pytest.skip(f"fixture chat templates not found at {TEMPLATES}")
+    assert chat_row_proof("glm4moe", kind)[0] == []
+    problems, tally = chat_row_proof("glm4moe", kind, unstop=("<|user|>", "<|observation|>"))
+    assert problems and tally["no_stop"] + tally["unplaced"] > 0
+    problems, tally = chat_row_proof("glm4moe", kind, edit=lambda labels: labels[:-1] + [-100])
+    assert problems and tally["missing"] == 1

@@ -5,9 +5,11 @@ The expected mask is derived here, not read back from the encoder. Chat rows: fr
 renderings, answer i starts where P = `render(messages[:i], add_generation_prompt=True)` and
 F = `render(messages[:i + 1])` first differ (the end of P for prefix-preserving templates) and runs through the
 first token generation stops on (`sft.generation.stop_token_ids`: the tokenizer's EOS, the generation config's EOS
-ids, the template's end of turn). Each example the encoder makes of a row (the whole conversation, or one answer
-in its own context under `history: split`) is located among these renderings and compared token by token: no
-trained token outside the answers the policy trains, and each such answer fully trained in some example.
+ids, the template's end of turn); where F writes none after the answer starts (GLM-4.5), through the stop token the
+template writes when the conversation goes on (a user message, a tool result after a call). Each example the
+encoder makes of a row (the whole conversation, or one answer in its own context under `history: split`) is located
+among these renderings and compared token by token: no trained token outside the answers the policy trains, and
+each such answer fully trained in some example.
 Plain formats: the decoded trained tokens are the row's answer column, ending in EOS.
 """
 import json
@@ -16,9 +18,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from jinja2 import TemplateError
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from sft.chat import SHAREGPT_ROLES
+from sft.chat import REASONING_FIELDS, SHAREGPT_ROLES
 from sft.encode import IGNORE_INDEX
 from sft.formats import CHAT_FORMATS
 from sft.generation import stop_token_ids
@@ -44,12 +47,19 @@ class Coverage:
 @dataclass
 class Turn:
     """Assistant message i: its generation prompt P = render(messages[:i], add_generation_prompt=True), its
-    rendering F = render(messages[:i + 1]), and whether the recipe's policy trains it."""
+    rendering F = render(messages[:i + 1]) (continued through the stop token the template writes next where F
+    ends no turn), whether the recipe's policy trains it, and the answer [start, end) in `text`, None without a
+    stop token."""
 
     index: int
     prompt: str
     text: str
     trained: bool
+    answer: tuple[int, int] | None
+
+    def opens(self, text: str) -> bool:
+        """Whether `text` holds this turn's answer: it starts with the turn's rendering through the answer."""
+        return text.startswith(self.text[:self.answer[1]] if self.answer else self.text)
 
 
 def prove_masks(bench: Bench, rows: int, encode_row: Callable[[dict, int], list[dict]] | None = None) -> Proof:
@@ -108,7 +118,8 @@ def check_chat_row(bench: Bench, row: dict, fmt: str, examples: list[dict], stop
     messages, trained, tools = conversation(row, bench.base.train_on_last_turn_only)
     render = lambda msgs, prompt: bench.tokenizer.apply_chat_template(  # noqa: E731
         msgs, tools=tools, add_generation_prompt=prompt, tokenize=False)
-    turns = [Turn(i, render(messages[:i], True), render(messages[:i + 1], False), i in trained)
+    messages = template_form(render, messages)
+    turns = [expected_turn(render, messages, i, i in trained, bench.tokenizer, stops)
              for i, m in enumerate(messages) if m["role"] == "assistant"]
     candidates = [render(messages, False)] + [t.text for t in turns]
     problems, shown, seen = [], examples[0], Coverage()
@@ -119,7 +130,7 @@ def check_chat_row(bench: Bench, row: dict, fmt: str, examples: list[dict], stop
             shown = example
             continue
         text, tokens, shift = found
-        regions = {t.index: answer_region(t, tokens, stops) for t in turns if text.startswith(t.text)}
+        regions = {t.index: t.answer for t in turns if t.opens(text)}
         example_problems = check_example(bench, example, turns, regions, tokens, shift, len(text), seen)
         problems, shown = problems + example_problems, example if example_problems else shown
     missing = [t.index for t in turns if t.trained and t.index in seen.placed - seen.covered - seen.cut - seen.stopless]
@@ -128,6 +139,63 @@ def check_chat_row(bench: Bench, row: dict, fmt: str, examples: list[dict], stop
     problems += [f"answer messages[{i}] is never fully trained through its stop token (untrained: "
                  f"{seen.untrained.get(i, '')!r})" for i in missing]
     return problems, shown
+
+
+def expected_turn(render: Callable, messages: list[dict], i: int, trained: bool,
+                  tokenizer: PreTrainedTokenizerBase, stops: set[int]) -> Turn:
+    """Turn i as the rule defines it: F, or, where F writes no stop token after the answer starts (GLM ends no
+    turn), F through the first stop token the template writes when the conversation goes on."""
+    prompt, text = render(messages[:i], True), render(messages[:i + 1], False)
+    start = common_prefix(prompt, text)
+    if stop_span(text, start, tokenizer, stops) is None:
+        text = continued(render, messages, i, text, tokenizer, stops)
+    stop = stop_span(text, start, tokenizer, stops)
+    return Turn(i, prompt, text, trained, (start, stop[1]) if stop else None)
+
+
+def template_form(render: Callable, messages: list[dict]) -> list[dict]:
+    """The messages as the template reads them: as written, with content as typed text parts (Idefics3 and
+    LLaVA-Next read only parts), or with tool-call arguments as a JSON string (DeepSeek-V3 concatenates them):
+    the first form whose rendering holds every message's content."""
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+    strings = [{**m, "tool_calls": [string_arguments(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+               for m in messages]
+    for form in (messages, parts, strings):
+        try:
+            whole = render(form, False)
+        except (TemplateError, TypeError):  # TypeError: a template adding a mapping to a string
+            continue
+        if all(m["content"].strip() in whole for m in messages):
+            return form
+    return messages
+
+
+def string_arguments(call: dict) -> dict:
+    return {**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}
+
+
+def continued(render: Callable, messages: list[dict], i: int, text: str, tokenizer: PreTrainedTokenizerBase,
+              stops: set[int]) -> str:
+    """F (`text`) followed by the first stop token the template writes when a user message follows turn i (a
+    tool result after a tool call); F when it writes none. The rendering through that token where it extends
+    F; else F and the token alone (GLM drops a think block once the turn is history)."""
+    follower = {"role": "tool" if messages[i].get("tool_calls") else "user", "content": "…"}
+    try:
+        longer = render(messages[:i + 1] + [follower], False)
+    except (TemplateError, TypeError):
+        return text
+    at = common_prefix(text, longer)
+    stop = stop_span(longer, at, tokenizer, stops)
+    if stop is None:
+        return text
+    return longer[:stop[1]] if at == len(text) else text + longer[stop[0]:stop[1]]
+
+
+def stop_span(text: str, start: int, tokenizer: PreTrainedTokenizerBase, stops: set[int]) -> tuple[int, int] | None:
+    """[start, end) of the first stop token in `text` that starts at or after `start`."""
+    tokens = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return next(((a, b) for token, (a, b) in zip(tokens["input_ids"], tokens["offset_mapping"])
+                 if a >= start and token in stops), None)
 
 
 def locate(example: dict, candidates: list[str], tokenizer: PreTrainedTokenizerBase) -> tuple[str, Any, int] | None:
@@ -140,17 +208,6 @@ def locate(example: dict, candidates: list[str], tokenizer: PreTrainedTokenizerB
         for shift in (0, len(mine) - len(ids)):
             if shift >= 0 and mine[shift:shift + len(ids)] == ids:
                 return text, tokens, shift
-    return None
-
-
-def answer_region(turn: Turn, tokens: Any, stops: set[int]) -> tuple[int, int] | None:
-    """[where P and F first differ, end of the first stop token after it within F), or None without a stop token."""
-    start, bound = common_prefix(turn.prompt, turn.text), len(turn.text)
-    for token_id, (a, b) in zip(tokens["input_ids"], tokens["offset_mapping"]):
-        if a >= start and b <= bound and token_id in stops:
-            return start, b
-        if a >= bound:
-            break
     return None
 
 
@@ -228,6 +285,9 @@ def message(raw: dict) -> dict:
     if raw.get("tool_calls"):
         out["tool_calls"] = [tool_call(call) for call in raw["tool_calls"]]
     out.update({k: raw[k] for k in ("tool_call_id", "name") if isinstance(raw.get(k), str)})
+    reasoning = next((raw[k] for k in REASONING_FIELDS if isinstance(raw.get(k), str) and raw[k].strip()), None)
+    if reasoning and raw["role"] == "assistant":  # under the names templates read (GPT-OSS: `thinking`)
+        out.update(reasoning_content=reasoning, thinking=reasoning)
     return out
 
 
