@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.catalog import shipped
+from sft.chat_templates import generation_eos
 from sft.config import SFTConfig
 from sft.errors import SFTError
 from sft.recipe import load_recipe
@@ -140,7 +141,11 @@ def tiny_model(config: SFTConfig, report: CheckReport, folder: Path) -> dict:
         tiny_config.decoder_start_token_id = tokenizer.pad_token_id
     auto = AutoModelForSeq2SeqLM if tiny_config.is_encoder_decoder else AutoModelForCausalLM
     torch.manual_seed(0)
-    auto.from_config(tiny_config).save_pretrained(folder)
+    model = auto.from_config(tiny_config)
+    eos = generation_eos(config.model_name_or_path)
+    if eos is not None:  # the recipe model's stop tokens end chat turns (GLM's <|observation|>), not the default's
+        model.generation_config.eos_token_id = eos
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return {"model_name_or_path": str(folder), "tokenizer_name_or_path": None, "revision": None,
             "trust_remote_code": False}

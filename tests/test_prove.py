@@ -271,3 +271,24 @@ def test_mask_proof_fails_glm_without_its_continuation_stop(kind):
     assert problems and tally["no_stop"] + tally["unplaced"] > 0
     problems, tally = chat_row_proof("glm4moe", kind, edit=lambda labels: labels[:-1] + [-100])
     assert problems and tally["missing"] == 1
+
+
+def test_mask_proof_passes_a_glm_recipe_end_to_end(tmp_path):
+    """`sft check --prove`'s bench on a GLM-4.5 model folder: its tiny model keeps the recipe model's stop tokens
+    (with the default's, sft refused the tool-call row), and every sample conversation's masks are proven."""
+    from test_template_masks import CONVERSATIONS, TEMPLATES, family_tokenizer
+
+    if not TEMPLATES.is_dir():
+        pytest.skip(f"fixture chat templates not found at {TEMPLATES}")
+    tok, stops = family_tokenizer("glm4moe")
+    tok.save_pretrained(tmp_path / "model")
+    transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4).save_pretrained(tmp_path / "model")
+    GenerationConfig(eos_token_id=stops).save_pretrained(tmp_path / "model")
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(row) for row in CONVERSATIONS.values()))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": str(tmp_path / "model"), "max_length": 512,
+                                      "dataset": str(tmp_path / "chat.jsonl"), "output_dir": str(tmp_path / "run")}))
+    proof = prove_masks(Bench.build(str(recipe), None, tmp_path / "bench"), 8)
+    assert proof.passed, proof.evidence
+    assert proof.figure.startswith("4 rows, 8 trained answers")
