@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 
 import sft.predict
 from conftest import REPO
+from test_template_masks import FAMILIES
 from sft.chat import ChatRenderer
 from sft.chat_templates import PRESETS
 from sft.cli import main
@@ -239,23 +240,19 @@ def chat_row_proof(name: str, kind: str, unstop: tuple[str, ...] = (),
     return problems, tally
 
 
-def test_mask_proof_passes_every_fixture_template_wherever_sft_trains_the_row():
-    from test_template_masks import CONVERSATIONS, FAMILIES, TEMPLATES
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_mask_proof_passes_every_fixture_template_wherever_sft_trains_the_row(name):
+    """Each of the four sample conversations sft trains passes; the rows it refuses are asserted refused (with
+    their reasons) in test_template_masks, and the proof never sees them."""
+    from test_template_masks import CONVERSATIONS, TEMPLATES
 
     if not TEMPLATES.is_dir():
         pytest.skip(f"fixture chat templates not found at {TEMPLATES}")
-    failures, proven = {}, 0
-    for name in sorted(FAMILIES):
-        for kind in CONVERSATIONS:
-            result = chat_row_proof(name, kind)
-            if result is None:
-                continue
-            problems, tally = result
-            proven += 1
-            if problems or not tally["turns"] or tally["unplaced"]:
-                failures[f"{name}/{kind}"] = problems or dict(tally)
+    results = {kind: chat_row_proof(name, kind) for kind in CONVERSATIONS}
+    failures = {kind: result for kind, result in results.items()
+                if result is not None and (result[0] or not result[1]["turns"] or result[1]["unplaced"])}
     assert not failures
-    assert proven >= 80  # most of the 28 x 4 rows are trained: the sweep is not vacuous
+    assert any(results.values())  # every family trains some conversation: the test is not vacuous
 
 
 @pytest.mark.parametrize("kind", ["multi", "tool"])
