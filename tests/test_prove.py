@@ -217,15 +217,14 @@ def test_every_shipped_recipe_passes_prove(recipe, monkeypatch):
 # The mask proof on every fixture chat template (../shared/fixtures/templates), called per row with a light bench
 # ---------------------------------------------------------------------------------------------------------------
 
-def chat_row_proof(name: str, kind: str, unstop: tuple[str, ...] = (),
+def chat_row_proof(name: str, row: dict, unstop: tuple[str, ...] = (),
                    edit: Callable[[list[int]], list[int]] = list) -> tuple[list[str], Counter] | None:
-    """The mask proof's problems and tally on one sample conversation as sft encodes it with the family's
+    """The mask proof's problems and tally on one conversation as sft encodes it with the family's
     publisher stop tokens (the proof told that `unstop` are none; `edit` applied to each example's labels);
     None when sft refuses the row."""
-    from test_template_masks import CONVERSATIONS, family_tokenizer
+    from test_template_masks import family_tokenizer
 
     tok, stops = family_tokenizer(name)
-    row = CONVERSATIONS[kind]
     try:
         rendered = ChatRenderer(tok, generation_eos=stops).render_row(row, "chat.jsonl", 3)
     except SFTError:  # a refusal is sft's answer for the row (prove_masks lets the SFTError through), no mask
@@ -242,13 +241,14 @@ def chat_row_proof(name: str, kind: str, unstop: tuple[str, ...] = (),
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_mask_proof_passes_every_fixture_template_wherever_sft_trains_the_row(name):
-    """Each of the four sample conversations sft trains passes; the rows it refuses are asserted refused (with
-    their reasons) in test_template_masks, and the proof never sees them."""
-    from test_template_masks import CONVERSATIONS, TEMPLATES
+    """Each sample conversation sft trains passes (the four kinds, and reasoning written as a <think> block in the
+    content); the rows it refuses are asserted refused in test_template_masks, and the proof never sees them."""
+    from test_template_masks import CONVERSATIONS, TEMPLATES, reasoning_row
 
     if not TEMPLATES.is_dir():
         pytest.skip(f"fixture chat templates not found at {TEMPLATES}")
-    results = {kind: chat_row_proof(name, kind) for kind in CONVERSATIONS}
+    rows = {**CONVERSATIONS, "think_in_content": reasoning_row(content="<think>\n{0}\n</think>\n\n{1}")}
+    results = {kind: chat_row_proof(name, row) for kind, row in rows.items()}
     failures = {kind: result for kind, result in results.items()
                 if result is not None and (result[0] or not result[1]["turns"] or result[1]["unplaced"])}
     assert not failures
@@ -259,14 +259,15 @@ def test_mask_proof_passes_every_fixture_template_wherever_sft_trains_the_row(na
 def test_mask_proof_fails_glm_without_its_continuation_stop(kind):
     """GLM's turns end with the next role tag the model writes, appended by sft. Negative controls: the proof
     FAILs when that tag is not a stop token, and when sft would leave the appended tag untrained."""
-    from test_template_masks import TEMPLATES
+    from test_template_masks import CONVERSATIONS, TEMPLATES
 
     if not TEMPLATES.is_dir():
         pytest.skip(f"fixture chat templates not found at {TEMPLATES}")
-    assert chat_row_proof("glm4moe", kind)[0] == []
-    problems, tally = chat_row_proof("glm4moe", kind, unstop=("<|user|>", "<|observation|>"))
+    row = CONVERSATIONS[kind]
+    assert chat_row_proof("glm4moe", row)[0] == []
+    problems, tally = chat_row_proof("glm4moe", row, unstop=("<|user|>", "<|observation|>"))
     assert problems and tally["no_stop"] + tally["unplaced"] > 0
-    problems, tally = chat_row_proof("glm4moe", kind, edit=lambda labels: labels[:-1] + [-100])
+    problems, tally = chat_row_proof("glm4moe", row, edit=lambda labels: labels[:-1] + [-100])
     assert problems and tally["missing"] == 1
 
 

@@ -14,6 +14,7 @@ Plain formats: the decoded trained tokens are the row's answer column, ending in
 """
 import json
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,6 +30,7 @@ from sft.masks import show_examples
 from sft.prove.bench import Bench
 from sft.prove.result import Proof
 
+THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written in the content
 ANSWER = {"alpaca": "output", "prompt_completion": "completion", "seq2seq": "target", "text": "text"}
 
 
@@ -118,7 +120,7 @@ def check_chat_row(bench: Bench, row: dict, fmt: str, examples: list[dict], stop
     messages, trained, tools = conversation(row, bench.base.train_on_last_turn_only)
     render = lambda msgs, prompt: bench.tokenizer.apply_chat_template(  # noqa: E731
         msgs, tools=tools, add_generation_prompt=prompt, tokenize=False)
-    messages = template_form(render, messages)
+    messages = template_form(render, thinking_read(render, messages))
     turns = [expected_turn(render, messages, i, i in trained, bench.tokenizer, stops)
              for i, m in enumerate(messages) if m["role"] == "assistant"]
     candidates = [render(messages, False)] + [t.text for t in turns]
@@ -168,6 +170,24 @@ def template_form(render: Callable, messages: list[dict]) -> list[dict]:
         if all(m["content"].strip() in whole for m in messages):
             return form
     return messages
+
+
+def thinking_read(render: Callable, messages: list[dict]) -> list[dict]:
+    """A <think> block opening an answer's content is its reasoning for a template that renders reasoning fields
+    (GPT-OSS, Nemotron-3 would otherwise show the block as answer text); others render the content verbatim."""
+    probe = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "hi", "reasoning_content": "PROBE", "thinking": "PROBE"}]
+    try:
+        reads = "PROBE" in render(probe, False)
+    except (TemplateError, TypeError):
+        reads = False
+    out = []
+    for m in messages:
+        think = THINK.match(m["content"]) if reads and m["role"] == "assistant" else None
+        reasoning = think.group(1).strip("\n") if think and "reasoning_content" not in m else None
+        out.append({**m, "content": m["content"][think.end():], "reasoning_content": reasoning,
+                    "thinking": reasoning} if reasoning is not None else m)
+    return out
 
 
 def string_arguments(call: dict) -> dict:
