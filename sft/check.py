@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from sft.architectures import model_architecture
 from sft.catalog import shipped
 from sft.chat_templates import generation_eos
 from sft.config import SFTConfig
@@ -119,10 +120,10 @@ def guess_format(config: SFTConfig) -> str:
 
 
 def guess_model_type(name: str) -> str:
-    """The model_type of `name`: from its config when reachable, else from its name."""
+    """The model_type of `name`: from its config (local, cached or built in before the Hub), else from its name."""
     try:
-        return AutoConfig.from_pretrained(name).model_type
-    except (OSError, ValueError):
+        return model_architecture(name).model_type
+    except SFTError:
         pass
     lowered = name.lower()
     for hint, model_type in NAME_HINTS:
