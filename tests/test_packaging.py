@@ -2,6 +2,7 @@
 only the slow install test would otherwise notice)."""
 
 import tomllib
+from pathlib import Path
 
 from conftest import REPO
 
@@ -10,17 +11,19 @@ def declared_packages() -> set[str]:
     return set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
 
 
-def source_packages() -> set[str]:
-    return {".".join(init.parent.relative_to(REPO).parts) for init in (REPO / "sft").rglob("__init__.py")}
+def source_packages(root: Path) -> set[str]:
+    """Dotted names of the packages (folders with __init__.py) under root/sft."""
+    return {".".join(init.parent.relative_to(root).parts) for init in (root / "sft").rglob("__init__.py")}
 
 
 def test_every_sub_package_of_sft_is_in_the_wheel():
-    assert source_packages() - declared_packages() == set()
+    assert source_packages(REPO) - declared_packages() == set()
 
 
-def test_the_check_sees_a_sub_package_left_out(tmp_path):
-    """Negative control: a package folder the list lacks is reported."""
-    missing = REPO / "sft" / "prove"
-    assert "sft.prove" in source_packages() and "sft.prove" in declared_packages()
-    assert "sft.prove" in source_packages() - (declared_packages() - {"sft.prove"})
-    assert missing.is_dir()
+def test_a_sub_package_missing_from_the_list_is_reported(tmp_path):
+    """Negative control: a tree with one more sub-package than pyproject lists fails the check."""
+    for package in [*declared_packages(), "sft.newpart.inner"]:
+        folder = tmp_path.joinpath(*package.split("."))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "__init__.py").touch()
+    assert source_packages(tmp_path) - declared_packages() == {"sft.newpart.inner"}
