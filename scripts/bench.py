@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def alpaca_rows(count: int) -> list[dict]:
     """Prompt/completion rows with the Stanford Alpaca templates, replicated to `count` rows."""
     sys.path.insert(0, str(REPO))
-    from sft.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT
+    from sft.data.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT
 
     source = ALPACA if ALPACA.exists() else REPO / "data" / "alpaca_sample.json"
     base = json.loads(source.read_text())
@@ -151,12 +151,12 @@ def count_tokens(trainer, counts: list) -> None:
 
 def run_sft(args: argparse.Namespace, workdir: Path, timer: StepTimer) -> dict:
     sys.path.insert(0, str(REPO))
-    from sft.dataset import prepare_splits
-    from sft.model import load_model, load_tokenizer
-    from sft.recipe import load_recipe
-    from sft.stats import compute_stats
-    from sft.trainer import SFTTrainer
-    from sft.training import apply_packing
+    from sft.data.build import prepare_splits
+    from sft.models.loading import load_model, load_tokenizer
+    from sft.training.recipe import load_recipe
+    from sft.data.stats import compute_stats
+    from sft.training.trainer import SFTTrainer
+    from sft.training.flows import apply_packing
 
     config = load_recipe(common_recipe(args, workdir) | {"dataset_format": "prompt_completion",
                                                          "packing": args.packing == "on", "dtype": dtype(args)})
@@ -301,8 +301,8 @@ def chat_rows_per_s(repeats: int) -> dict[str, float]:
     sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
-    from sft.chat import ChatRenderer
-    from sft.encode import Encoding
+    from sft.data.chat import ChatRenderer
+    from sft.data.encode import Encoding
 
     chat = FIXTURES / "datasets" / "chat"
     tokenizer = AutoTokenizer.from_pretrained(FIXTURES / "tokenizers" / "qwen2.5-coder-3b-instruct")

@@ -5,7 +5,7 @@ a fresh process with the same data, steps, batch and seed. Reached through scrip
     python scripts/bench.py --device cuda --suite issue19 --json $OUT/issue19.json   # the whole issue-19 set
     python scripts/bench.py --model tiny --method qlora --max_length 128 --rows 48 --steps 2 --batch 2  # CPU check
 
-Shapes come from sft/architectures.py (`known_config`); the tokenizers from ../shared/fixtures/tokenizers. Where
+Shapes come from sft/models/architectures.py (`known_config`); the tokenizers from ../shared/fixtures/tokenizers. Where
 the tokenizer's vocabulary is smaller than the config's (Qwen2.5 pads its embedding to 151936), the model is built
 with the tokenizer's size and the result says so (`vocab_size`, `config_vocab_size`).
 """
@@ -64,7 +64,7 @@ def build_model(model: str, device: str, folder: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(REPO))
-    from sft.architectures import known_config
+    from sft.models.architectures import known_config
 
     key, tokenizer_name = MODELS[model]
     # The Llama-3 fixture has only tokenizer.model (tiktoken format); converting it needs `tiktoken`, so it is done
@@ -171,12 +171,12 @@ def load_model(spec: dict):
 
 def sft_trainer(spec: dict, callback):
     """sft's recipe path: its packer, chunked loss, fused AdamW default, LoRA/QLoRA from recipe keys."""
-    from sft.dataset import prepare_splits
-    from sft.model import load_model as sft_load_model, load_tokenizer
-    from sft.recipe import load_recipe
-    from sft.stats import compute_stats
-    from sft.trainer import SFTTrainer
-    from sft.training import apply_packing
+    from sft.data.build import prepare_splits
+    from sft.models.loading import load_model as sft_load_model, load_tokenizer
+    from sft.training.recipe import load_recipe
+    from sft.data.stats import compute_stats
+    from sft.training.trainer import SFTTrainer
+    from sft.training.flows import apply_packing
 
     workdir, peft = Path(spec["workdir"]), spec["method"] != "full"
     recipe = common_args(spec) | {

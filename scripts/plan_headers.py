@@ -9,11 +9,11 @@ GPU kind, so H100-80GB is used.
 import sys
 from pathlib import Path
 
-from sft.catalog import default_root, list_recipes, read_header
+from sft.training.catalog import default_root, list_recipes, read_header
 from sft.errors import SFTError
-from sft.hardware import find_gpu
-from sft.plan import Plan, plan_recipe
-from sft.recipe import load_recipe
+from sft.planning.hardware import find_gpu
+from sft.planning.plan import Plan, plan_recipe
+from sft.training.recipe import load_recipe
 
 CPU = " On CPU: "
 

@@ -14,9 +14,9 @@ from test_plan import SWEEP, planned_and_traced, recipe  # noqa: E402
 
 from sft import plan as planner  # noqa: E402
 
-from sft.architectures import known_config  # noqa: E402
-from sft.memtrace import trace_step  # noqa: E402
-from sft.recipe import load_recipe  # noqa: E402
+from sft.models.architectures import known_config  # noqa: E402
+from sft.planning.memtrace import trace_step  # noqa: E402
+from sft.training.recipe import load_recipe  # noqa: E402
 
 
 def eval_planned_and_traced(values: dict, arch) -> tuple[float, float]:

@@ -1,23 +1,46 @@
-"""sft: supervised fine-tuning of language models from YAML recipes, on transformers.Trainer."""
+"""sft: supervised fine-tuning of language models from YAML recipes, on transformers.Trainer.
 
-import logging
-import os
+The package map (layers, lowest first; a layer imports only from layers below it — tests/test_layering.py):
 
-import torch
+    sft.errors, sft.rundir  0  the one user-facing exception; which files in an output folder are sft's
+    sft.config              1  SFTConfig and the checks on its values
+    sft.models              2  model facts (architectures, family capabilities), loading, adapters, quantization, merge
+    sft.data                3  sources, formats, chat templates and masks, encoding, packing, statistics
+    sft.evaluation          4  generation settings, generation-based evaluation, metrics
+    sft.training            5  recipes and presets, the Trainer and its concerns, loss, checkpoints, the train/eval flows
+    sft.planning            6  `sft plan`: memory and time from the recipe's model on the meta device
+    sft.check               6  `sft check [--prove]`: the recipe run on a tiny model of its architecture
+    sft.cli                 7  the `sft` verbs
 
-# DeepSpeed (imported by transformers) warns on every import when it finds no GPU; tell it up front instead.
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+Importing `sft` is cheap and has no side effects: the names below load on first use.
+"""
 
-# bitsandbytes logs a warning about optional CPU kernels at import time; it is noise for every sft user.
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-
-from sft.config import SFTConfig  # noqa: E402
-from sft.dataset import build_datasets  # noqa: E402
-from sft.errors import SFTError  # noqa: E402
-from sft.recipe import load_recipe  # noqa: E402
-from sft.trainer import Seq2SeqSFTTrainer, SFTTrainer  # noqa: E402
-from sft.training import train  # noqa: E402
+from typing import Any
 
 __all__ = ["SFTConfig", "SFTError", "SFTTrainer", "Seq2SeqSFTTrainer", "build_datasets", "load_recipe", "train"]
 __version__ = "0.1.0"
+
+PUBLIC = {  # public name -> the module that owns it
+    "SFTConfig": "sft.config.arguments",
+    "SFTError": "sft.errors",
+    "SFTTrainer": "sft.training.trainer",
+    "Seq2SeqSFTTrainer": "sft.training.trainer",
+    "build_datasets": "sft.data.build",
+    "load_recipe": "sft.training.recipe",
+    "train": "sft.training.flows",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """`from sft import train` imports sft.training.flows only then (PEP 562)."""
+    if name not in PUBLIC:
+        raise AttributeError(f"module 'sft' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

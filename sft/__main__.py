@@ -1,5 +1,5 @@
 """`python -m sft` is the `sft` command."""
 
-from sft.cli import main
+from sft.cli.main import main
 
 raise SystemExit(main())

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-import sft.loss
-from sft.trainer import SFTMixin
+import sft.training.loss
+from sft.training.trainer import SFTMixin
 
 RECORD: dict = {"batches": [], "chunked_train_forwards": 0, "called": []}
 
@@ -43,7 +43,7 @@ def recording_train(self, *args, **kwargs):
         out.write_text(json.dumps(RECORD))
 
 
-chunked_forward, sft.loss.chunked_forward = sft.loss.chunked_forward, counting_chunked_forward
+chunked_forward, sft.training.loss.chunked_forward = sft.training.loss.chunked_forward, counting_chunked_forward
 training_step, SFTMixin.training_step = SFTMixin.training_step, recording_training_step
 train, SFTMixin.train = SFTMixin.train, recording_train
 sys.argv = ["sft", *sys.argv[1:]]

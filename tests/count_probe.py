@@ -1,6 +1,6 @@
 """`python -m sft ...` that also counts the rows each process tokenizes, for tests that run several processes.
 
-Every call of sft.dataset.encode_batch (the datasets.map body that tokenizes) appends its row count to
+Every call of sft.data.build.encode_batch (the datasets.map body that tokenizes) appends its row count to
 $SFT_COUNT_DIR/tokenized-rank{RANK}.txt; a rank that loads the tokenized cache instead writes nothing.
 """
 
@@ -9,9 +9,9 @@ import runpy
 import sys
 from pathlib import Path
 
-import sft.dataset
+import sft.data.build
 
-tokenize = sft.dataset.encode_batch
+tokenize = sft.data.build.encode_batch
 
 
 def counting_encode_batch(batch: dict, indices: list[int], **kwargs) -> dict:
@@ -21,6 +21,6 @@ def counting_encode_batch(batch: dict, indices: list[int], **kwargs) -> dict:
     return tokenize(batch, indices, **kwargs)
 
 
-sft.dataset.encode_batch = counting_encode_batch
+sft.data.build.encode_batch = counting_encode_batch
 sys.argv = ["sft", *sys.argv[1:]]
 runpy.run_module("sft", run_name="__main__")

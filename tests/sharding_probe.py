@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
-from sft.trainer import SFTMixin
+from sft.training.trainer import SFTMixin
 
 
 class RecordSharding(TrainerCallback):

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from sft import rundir
-from sft.cli import main
+from sft.cli.main import main
 
 CORPUS = Path(__file__).parent / "bad_inputs"
 REPO = CORPUS.parents[1]

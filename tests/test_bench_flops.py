@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench import model_flops  # noqa: E402
 
-from sft.architectures import known_config  # noqa: E402
+from sft.models.architectures import known_config  # noqa: E402
 
 
 def test_model_flops_matches_hand_count_for_llama_3_2_1b():

@@ -1,6 +1,6 @@
 """Chat templates and assistant-only masks: every preset on an in-test tokenizer, real tokenizers from ../shared.
 
-Labels are built by the pipeline itself (sft.encode.Encoding: a token is trained iff its characters overlap a
+Labels are built by the pipeline itself (sft.data.encode.Encoding: a token is trained iff its characters overlap a
 trained span; the first label is never trained), then the trained tokens are decoded run by run: each run must be
 exactly one assistant answer followed by its end-of-turn token. None of the fixture tokenizers produce zero-width
 special tokens in chat text.
@@ -18,12 +18,12 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from sft.chat import ChatRenderer
-from sft.chat_templates import PRESETS, prepare_tokenizer_for_template, preset_end_of_turn, resolve_chat_template
-from sft.encode import Encoding
+from sft.data.chat import ChatRenderer
+from sft.data.chat_templates import PRESETS, prepare_tokenizer_for_template, preset_end_of_turn, resolve_chat_template
+from sft.data.encode import Encoding
 from sft.errors import SFTError
-from sft.formats import ALPACA_PROMPT_NO_INPUT, detect_format, row_renderer
-from sft.masks import show_examples
+from sft.data.formats import ALPACA_PROMPT_NO_INPUT, detect_format, row_renderer
+from sft.data.show import show_examples
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 TOKENIZERS = FIXTURES / "tokenizers"
@@ -93,7 +93,7 @@ def only(examples: list):
 
 
 def labels_for(tokenizer, rendered) -> tuple[list[int], list[int]]:
-    """input_ids and labels of a Rendered, built by the pipeline's own sft.encode.Encoding."""
+    """input_ids and labels of a Rendered, built by the pipeline's own sft.data.encode.Encoding."""
     out = Encoding(tokenizer, max_length=10**9).encode([rendered])
     return out["input_ids"][0], out["labels"][0]
 

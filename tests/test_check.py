@@ -3,9 +3,9 @@
 import pytest
 
 from conftest import REPO
-from sft.catalog import list_recipes
-from sft.cli import main
-from sft.check import guess_model_type
+from sft.training.catalog import list_recipes
+from sft.cli.main import main
+from sft.check.smoke import guess_model_type
 
 RECIPES = list_recipes(REPO / "recipes")
 

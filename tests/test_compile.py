@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers.trainer_pt_utils import LabelSmoother
 
-import sft.loss
+import sft.training.loss
 from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
 from test_loss import batch
@@ -31,13 +31,13 @@ CALLS = {"chunked": 0}
 
 @pytest.fixture
 def count_chunked(monkeypatch):
-    original = sft.loss.chunked_forward
+    original = sft.training.loss.chunked_forward
 
     def counting(*args, **kwargs):
         CALLS["chunked"] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sft.loss, "chunked_forward", counting)
+    monkeypatch.setattr(sft.training.loss, "chunked_forward", counting)
 
 
 def losses(tmp_path, tokenizer, **flags) -> tuple[list[float], list]:
@@ -71,7 +71,7 @@ def test_label_smoothing_equals_transformers_label_smoother():
     expected.backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad()
-    sft.loss.attach_chunked_loss(model, label_smoothing=0.1)
+    sft.training.loss.attach_chunked_loss(model, label_smoothing=0.1)
     smoothed = model(**inputs, num_items_in_batch=50).loss
     smoothed.backward()
     assert torch.allclose(smoothed, expected, atol=1e-6)

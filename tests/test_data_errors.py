@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from sft.cli import main
+from sft.cli.main import main
 
 GOOD = {"instruction": "Say hi", "input": "", "output": "hi"}
 CASES = {

@@ -20,9 +20,9 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import EMBEDDED_MODEL, REPO
-from sft.launch import launch_command
-from sft.recipe import load_recipe
-from sft.training import train
+from sft.cli.launch import launch_command
+from sft.training.recipe import load_recipe
+from sft.training.flows import train
 
 pytestmark = pytest.mark.multiprocess
 PROBE = REPO / "tests" / "batch_probe.py"
@@ -127,7 +127,7 @@ def repeated_rows_loss(out: Path) -> float:
     """The eval loss of `out`'s model if the 3 rows accelerate repeats (the first ones) were counted too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sft.dataset import prepare_splits
+    from sft.data.build import prepare_splits
 
     config = load_recipe(out / "recipe.yaml", output_dir=str(out / "probe"))
     _, eval_data = prepare_splits(config, AutoTokenizer.from_pretrained(out))

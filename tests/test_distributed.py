@@ -8,12 +8,12 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from conftest import REPO
-from sft.cli import main
-from sft.config import SFTConfig
-from sft.distributed import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, PRESETS, WRAP_CLASSES
+from sft.cli.main import main
+from sft.config.arguments import SFTConfig
+from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, PRESETS, WRAP_CLASSES
 from sft.errors import SFTError
-from sft.launch import launch_command, split_arguments
-from sft.recipe import FIELDS, load_recipe, resolved_recipe
+from sft.cli.launch import launch_command, split_arguments
+from sft.training.recipe import FIELDS, load_recipe, resolved_recipe
 
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
              vocab_size=64)
@@ -70,7 +70,7 @@ def test_unreachable_model_config_leaves_wrapping_to_no_split_modules(caplog):
 
 
 def test_known_model_wraps_its_layers_without_the_hub():
-    """Wrap classes come from sft.architectures.model_architecture: a built-in model needs neither cache nor Hub."""
+    """Wrap classes come from sft.models.architectures.model_architecture: a built-in model needs neither cache nor Hub."""
     config = load_recipe({"model_name_or_path": "meta-llama/Llama-3.1-8B-Instruct", "distributed": "fsdp"})
     assert config.fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
 
@@ -145,7 +145,7 @@ def test_deepspeed_preset_is_valid_for_deepspeed(preset):
 
 
 def test_stanford_alpaca_fsdp_flags_give_fsdp2_full_shard_of_llama_layers():
-    from sft.alpaca import alpaca_recipe
+    from sft.cli.alpaca import alpaca_recipe
 
     argv = ["--fsdp", "full_shard auto_wrap", "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"]
     values, flags = alpaca_recipe(argv, has_gpu=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from sft.cli import main
+from sft.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,8 +7,8 @@ from torch.overrides import TorchFunctionMode
 
 from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
-from sft.encode import IGNORE_INDEX
-from sft.loss import attach_chunked_loss, reference_causal_loss
+from sft.data.encode import IGNORE_INDEX
+from sft.training.loss import attach_chunked_loss, reference_causal_loss
 from test_loss import batch
 from test_trainer import toy_dataset
 
@@ -29,8 +29,8 @@ class LargestVocabularyTensor(TorchFunctionMode):
 
 
 def test_eval_forward_never_holds_full_vocabulary_logits(monkeypatch):
-    monkeypatch.setattr("sft.loss.MIN_CHUNK_ROWS", 1)
-    monkeypatch.setattr("sft.loss.CHUNK_ELEMENTS", 7 * VOCAB)
+    monkeypatch.setattr("sft.training.loss.MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr("sft.training.loss.CHUNK_ELEMENTS", 7 * VOCAB)
     model = make_llama(VOCAB).eval()
     inputs = batch(VOCAB)
     with torch.no_grad(), LargestVocabularyTensor() as plain:

@@ -11,10 +11,10 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import EMBEDDED_MODEL, REPO, make_tokenizer
 from sft import SFTError, load_recipe, train
-from sft import generation
-from sft.cli import main
-from sft.formats import ALPACA_PROMPT_NO_INPUT
-from sft.generation import GenerationOptions, load_for_inference, render_prompt, stop_token_ids
+from sft.evaluation import generation
+from sft.cli.main import main
+from sft.data.formats import ALPACA_PROMPT_NO_INPUT
+from sft.evaluation.generation import GenerationOptions, load_for_inference, render_prompt, stop_token_ids
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

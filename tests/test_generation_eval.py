@@ -10,10 +10,10 @@ from transformers import DataCollatorForSeq2Seq, GenerationConfig
 
 from conftest import EMBEDDED_MODEL, make_llama, write_json
 from sft import SFTConfig, SFTTrainer, build_datasets, load_recipe, train
-from sft.cli import main
-from sft.encode import IGNORE_INDEX
-from sft.packing import PackedCollator, PaddingFreeCollator
-from sft.predict import causal_examples, eval_generation_config
+from sft.cli.main import main
+from sft.data.encode import IGNORE_INDEX
+from sft.data.packing import PackedCollator, PaddingFreeCollator
+from sft.evaluation.predict import causal_examples, eval_generation_config
 
 # Prompts of different lengths, so left padding is exercised; answers a tiny model can memorise.
 QA = [("Q: add 1 and 2\nA:", " 3"), ("Q: the capital of France\nA:", " Paris"), ("Q: hi\nA:", " Hello"),
@@ -72,7 +72,7 @@ def test_generate_sees_only_left_padded_prompts(tiny_model_dir, qa_file, tokeniz
 
 
 def test_sharded_models_generate_with_synced_gpus(tiny_model_dir, qa_file, tokenizer, tmp_path, monkeypatch):
-    monkeypatch.setattr("sft.trainer.is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr("sft.training.trainer.is_deepspeed_zero3_enabled", lambda: True)
     config = recipe(tiny_model_dir, qa_file, tmp_path, per_device_eval_batch_size=8)
     model = make_llama(len(tokenizer))
     calls = spy_on_generate(model)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from sft.dataset import build_datasets
-from sft.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT
-from sft.predict import PromptGenerator, answer_offsets, causal_examples
-from sft.recipe import load_recipe
+from sft.data.build import build_datasets
+from sft.data.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT
+from sft.evaluation.predict import PromptGenerator, answer_offsets, causal_examples
+from sft.training.recipe import load_recipe
 
 # ../shared beside the checkout, as elsewhere in the tests; SFT_SHARED_FIXTURES points a worktree at it.
 FIXTURES = Path(os.environ.get("SFT_SHARED_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))

@@ -11,7 +11,7 @@ import torch
 
 from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
-from sft.packing import pack_dataset
+from sft.data.packing import pack_dataset
 from test_compile import count_chunked, losses  # noqa: F401  (count_chunked is a fixture)
 from test_ddp import PROBE, STEPS, max_weight_difference, one_process, run, write_recipe
 from test_mixed_precision import train_step

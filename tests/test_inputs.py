@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from sft.errors import SFTError
-from sft.recipe import load_recipe
-from sft.sources import Source, load_source
+from sft.training.recipe import load_recipe
+from sft.data.sources import Source, load_source
 
 CORPUS = Path(__file__).parent / "bad_inputs"
 ROWS = json.loads((CORPUS / "good.json").read_text())
@@ -62,7 +62,7 @@ def test_home_paths_are_expanded(tmp_path, monkeypatch):
 
 
 def test_check_samples_a_sliced_split(tmp_path):
-    from sft.check import CheckReport, sample_data
+    from sft.check.smoke import CheckReport, sample_data
 
     (tmp_path / "data.json").write_text(json.dumps(ROWS))
     config = load_recipe({"dataset": [{"path": str(tmp_path / "data.json"), "split": "train[:6]"}]})
@@ -84,7 +84,7 @@ def test_duplicate_recipe_keys_name_both_lines(tmp_path):
 @pytest.mark.skipif(not (TOKENIZERS / "qwen2.5-coder-3b-instruct").is_dir(),
                     reason=f"no real tokenizers at {TOKENIZERS}")
 def test_a_tokenizer_of_another_family_warns_with_the_new_rows(tiny_model_dir, caplog):
-    from sft.model import load_model, load_tokenizer
+    from sft.models.loading import load_model, load_tokenizer
 
     config = load_recipe({"model_name_or_path": str(tiny_model_dir)})
     own = load_tokenizer(config)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from sft.encode import IGNORE_INDEX, Encoding
-from sft.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, Rendered, render_alpaca, \
+from sft.data.encode import IGNORE_INDEX, Encoding
+from sft.data.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, Rendered, render_alpaca, \
     render_prompt_completion, render_text
 
 

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from conftest import write_json
 from sft import SFTError, build_datasets, load_recipe, rundir, train
-from sft.model import load_model, load_tokenizer
-from sft.trainer import SFTTrainer
+from sft.models.loading import load_model, load_tokenizer
+from sft.training.trainer import SFTTrainer
 
 ROWS = [{"prompt": "Add 2 and 3:", "completion": " 5"}, {"prompt": "The capital of France is", "completion": " Paris."}]
 
@@ -51,7 +51,7 @@ def test_qlora_4bit_trains_only_the_adapter(tmp_path, tiny_model_dir, data_file,
     # The same 4 rows every step (batch = dataset / 2, both halves identical): the loss must fall.
     config = recipe(tiny_model_dir, write_json(tmp_path / "same.json", [ROWS[0]] * 8), tmp_path / "out",
                     load_in_4bit=True, bnb_4bit_quant_type="nf4", max_steps=5)
-    with caplog.at_level(logging.INFO, logger="sft.adapters"):
+    with caplog.at_level(logging.INFO, logger="sft.models.adapters"):
         model, trainer = fit(config)
     assert isinstance(model, PeftModel)
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj

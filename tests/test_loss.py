@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import make_llama
-from sft.encode import IGNORE_INDEX
-from sft.loss import LinearCrossEntropy, attach_chunked_loss, reference_causal_loss
+from sft.data.encode import IGNORE_INDEX
+from sft.training.loss import LinearCrossEntropy, attach_chunked_loss, reference_causal_loss
 
 
 def batch(vocab: int, seed: int = 0):
@@ -23,8 +23,8 @@ def batch(vocab: int, seed: int = 0):
 
 @pytest.mark.parametrize("normalizer", [None, 97])
 def test_chunked_loss_and_gradients_equal_the_plain_ones(normalizer, monkeypatch):
-    monkeypatch.setattr("sft.loss.MIN_CHUNK_ROWS", 1)
-    monkeypatch.setattr("sft.loss.CHUNK_ELEMENTS", 7 * 300)  # 7-row chunks over a 300-token vocabulary: ragged split
+    monkeypatch.setattr("sft.training.loss.MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr("sft.training.loss.CHUNK_ELEMENTS", 7 * 300)  # 7-row chunks over a 300-token vocabulary: ragged split
     model = make_llama(300)
     inputs = batch(300)
     trained = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())

@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from conftest import make_llama, write_json
 from sft import load_recipe, train
-from sft.cli import main
-from sft.generation import load_for_inference
-from sft.model import load_model, load_tokenizer
+from sft.cli.main import main
+from sft.evaluation.generation import load_for_inference
+from sft.models.loading import load_model, load_tokenizer
 
 ROWS = [{"prompt": "Add 2 and 3 <|calc|>", "completion": " 5"},
         {"prompt": "The capital of France is", "completion": " Paris."}]
@@ -37,7 +37,7 @@ def make_llama64(vocab_size: int) -> LlamaForCausalLM:
 
 
 def run_adapter(base_dir, out, **overrides):
-    """A 3-step LoRA run through sft.training.train (fp32, CPU); returns its output folder."""
+    """A 3-step LoRA run through sft.training.flows.train (fp32, CPU); returns its output folder."""
     data = write_json(base_dir.parent / "merge-data.json", ROWS * 4)
     values = dict(model_name_or_path=str(base_dir), dataset=str(data), output_dir=str(out), use_peft=True, lora_r=4,
                   lora_alpha=16, lora_dropout=0.0, dtype="float32", max_steps=3, learning_rate=2e-2,

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from sft import SFTError
-from sft.metrics import bleu, compute_metrics, exact_match, resolve_metrics, rouge
+from sft.evaluation.metrics import bleu, compute_metrics, exact_match, resolve_metrics, rouge
 
 
 def words(text: str) -> list[str]:

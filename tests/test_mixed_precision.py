@@ -9,7 +9,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
 from sft.errors import SFTError
-from sft.recipe import load_recipe
+from sft.training.recipe import load_recipe
 from test_trainer import toy_dataset
 
 
@@ -46,7 +46,7 @@ def test_bf16_without_gpu_loads_but_train_asks_for_use_cpu(tmp_path):
     (problem,) = config.hardware_problems()
     assert "bf16: true needs a CUDA GPU" in problem and "--use_cpu true" in problem and "--bf16 false" in problem
     assert load_recipe({"bf16": True, "use_cpu": True}).hardware_problems() == []
-    from sft.training import train
+    from sft.training.flows import train
 
     with pytest.raises(SFTError, match="bf16"):
         train(config)

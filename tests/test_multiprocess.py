@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import REPO, write_json
-from sft.recipe import load_recipe
-from sft.training import train
+from sft.training.recipe import load_recipe
+from sft.training.flows import train
 
 pytestmark = pytest.mark.multiprocess
 PROBE = REPO / "tests" / "sharding_probe.py"

@@ -6,7 +6,7 @@ import torch
 
 from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
-from sft.neftune import NEFTune, expected_noise_norm, token_example_lengths
+from sft.training.neftune import NEFTune, expected_noise_norm, token_example_lengths
 
 ALPHA, HIDDEN = 5.0, 32
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sft import rundir
-from sft.cli import main
+from sft.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "alpaca_sample.json"

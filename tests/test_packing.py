@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorWithFlattening
 
-from sft.packing import (
+from sft.data.packing import (
     NO_PACKING_MODEL_TYPES, PACKING_MODEL_TYPES, PackedCollator, PaddingFreeCollator, best_fit_decreasing,
     check_packing_supported, estimate_packing, exact_fit_decreasing, n_bins, pack_bins, pack_dataset,
     pack_dataset_with_stats, pack_lengths,
@@ -105,7 +105,7 @@ def alpaca_lengths() -> np.ndarray:
         pytest.skip("Alpaca / tokenizer fixtures are absent")
     from transformers import AutoTokenizer
 
-    from sft.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT
+    from sft.data.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT
     rows = json.loads(data.read_text())
     texts = [(ALPACA_PROMPT_INPUT if r["input"].strip() else ALPACA_PROMPT_NO_INPUT).format(**r) + r["output"]
              for r in rows]

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer, OPTConfig
 
 from conftest import REPO
-from sft.cli import main
+from sft.cli.main import main
 
 ALPACA = REPO / "data" / "alpaca_sample.json"
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from conftest import REPO
-from sft import plan as planner
-from sft.architectures import known_config
-from sft.catalog import list_recipes
-from sft.cli import main
-from sft.hardware import find_gpu
-from sft.memtrace import build_model, quantized_bytes, trace_step, train_steps
-from sft.recipe import load_recipe
+from sft.planning import plan as planner
+from sft.models.architectures import known_config
+from sft.training.catalog import list_recipes
+from sft.cli.main import main
+from sft.planning.hardware import find_gpu
+from sft.planning.memtrace import build_model, quantized_bytes, trace_step, train_steps
+from sft.training.recipe import load_recipe
 
 QLORA_8B = str(REPO / "recipes" / "llama-3.1-8b-instruct" / "qlora.yaml")
 # Recipes whose architecture the planner does not model (encoder-decoder): their headers stay hand-written.

@@ -16,24 +16,24 @@ import yaml
 from safetensors.torch import save_file
 from transformers import GenerationConfig
 
-import sft.predict
+import sft.evaluation.predict
 from conftest import REPO
 from test_template_masks import FAMILIES
-from sft.chat import ChatRenderer
-from sft.chat_templates import PRESETS
-from sft.cli import main
-from sft.encode import Encoding
+from sft.data.chat import ChatRenderer
+from sft.data.chat_templates import PRESETS
+from sft.cli.main import main
+from sft.data.encode import Encoding
 from sft.errors import SFTError
-from sft.generation import stop_token_ids
-from sft.predict import Example
-from sft.prove import prove_recipe, unproven_template_hint
-from sft.prove.batches import prove_batching, prove_packing
-from sft.prove.bench import Bench
-from sft.prove.generation import prove_generation
-from sft.prove.masks import check_chat_row, prove_masks
-from sft.prove.result import Proof
-from sft.prove.runs import prove_resume, prove_save_load, save_like_train
-from sft.trainer import SFTTrainer
+from sft.evaluation.generation import stop_token_ids
+from sft.evaluation.predict import Example
+from sft.check.prove import prove_recipe, unproven_template_hint
+from sft.check.prove.batches import prove_batching, prove_packing
+from sft.check.prove.bench import Bench
+from sft.check.prove.generation import prove_generation
+from sft.check.prove.masks import check_chat_row, prove_masks
+from sft.check.prove.result import Proof
+from sft.check.prove.runs import prove_resume, prove_save_load, save_like_train
+from sft.training.trainer import SFTTrainer
 
 EMBEDDED = REPO / "data" / "models" / "tiny-llama"
 # A LoRA chat recipe on the embedded model that uses every proof: packing, accumulation, dropout after the resume
@@ -136,7 +136,7 @@ def test_generation_fails_when_the_prompt_builder_leaks_the_reference(bench, mon
         trained = (labels != -100).nonzero()
         return Example(ids.tolist(), labels[int(trained[0]):].tolist()) if len(trained) else None
 
-    monkeypatch.setattr(sft.predict, "causal_example", leaky)
+    monkeypatch.setattr(sft.evaluation.predict, "causal_example", leaky)
     proof = prove_generation(bench)
     assert proof.passed is False and "reference tokens" in proof.figure
     assert not proof.figure.split(": ")[1].startswith("0 reference") and "are the reference" in proof.evidence
@@ -146,7 +146,7 @@ def fake_proofs(monkeypatch, failing: str | None = None) -> None:
     """Replace the proofs with instant ones (the CLI contract is under test here, not the proofs)."""
     for name in ("masks", "packing", "batching", "resume", "save_load", "generation"):
         proof = Proof(name, name != failing, "figure", "evidence" if name == failing else "")
-        monkeypatch.setattr(f"sft.prove.prove_{name}", lambda *args, _p=proof, **kwargs: _p)
+        monkeypatch.setattr(f"sft.check.prove.prove_{name}", lambda *args, _p=proof, **kwargs: _p)
 
 
 def test_json_prints_one_object_per_proof_and_exit_0(tmp_path, monkeypatch, capsys):
@@ -185,12 +185,12 @@ def cpu_seconds() -> float:
 
 
 def test_sft_train_logs_the_hint_for_chat_data_only(tmp_path, caplog):
-    from sft.model import load_tokenizer
-    from sft.recipe import load_recipe
-    from sft.training import hint_unproven_template
+    from sft.models.loading import load_tokenizer
+    from sft.training.recipe import load_recipe
+    from sft.training.flows import hint_unproven_template
 
     tokenizer = load_tokenizer(load_recipe(write_recipe(tmp_path)))
-    with caplog.at_level(logging.INFO, logger="sft.training"):
+    with caplog.at_level(logging.INFO, logger="sft.training.flows"):
         hint_unproven_template(["messages"], tokenizer)
         hint_unproven_template(["alpaca"], tokenizer)
     assert [r.getMessage().count("--prove") for r in caplog.records] == [1]

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import EMBEDDED_MODEL, REPO
-from sft.cli import main
+from sft.cli.main import main
 
 pytestmark = pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), reason="embedded model not built")
 PROMISED = ["model.safetensors", "config.json", "tokenizer.json", "recipe.yaml", "trainer_state.json",

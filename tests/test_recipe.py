@@ -2,9 +2,9 @@
 
 import pytest
 
-from sft.cli import main
+from sft.cli.main import main
 from sft.errors import SFTError
-from sft.recipe import load_recipe, parse_flags, resolved_recipe
+from sft.training.recipe import load_recipe, parse_flags, resolved_recipe
 
 
 def test_flags_override_recipe_keys_in_both_spellings(tmp_path):
@@ -48,7 +48,7 @@ def test_gpu_only_flags_load_anywhere_and_fail_clearly_at_train_time(tmp_path):
     problems = config.hardware_problems()
     if problems:  # on a CPU-only machine
         assert "bf16: true needs a CUDA GPU" in problems[0] and "--bf16 false" in problems[0]
-        from sft.training import train
+        from sft.training.flows import train
 
         with pytest.raises(SFTError, match="bf16"):
             train(config)

@@ -3,9 +3,9 @@
 import pytest
 
 from conftest import REPO
-from sft.catalog import list_recipes, recipes_table
-from sft.cli import main
-from sft.recipe import load_recipe
+from sft.training.catalog import list_recipes, recipes_table
+from sft.cli.main import main
+from sft.training.recipe import load_recipe
 
 RECIPES = list_recipes(REPO / "recipes")
 LAUNCHERS = {"sft", "accelerate", "torchrun", "deepspeed", "python"}

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import make_llama
-from sft.cli import main
+from sft.cli.main import main
 from sft.errors import SFTError
-from sft.model import load_model, load_tokenizer
-from sft.recipe import load_recipe
+from sft.models.loading import load_model, load_tokenizer
+from sft.training.recipe import load_recipe
 
 SECRET = "hf_DoNotLeakThisToken123"
 

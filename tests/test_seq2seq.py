@@ -10,9 +10,9 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5Config, T5ForCo
 
 from conftest import FIXTURES, write_json
 from sft import Seq2SeqSFTTrainer, SFTConfig, SFTError, build_datasets, load_recipe, train
-from sft.dataset import prepare_splits
-from sft.encode import IGNORE_INDEX
-from sft.seq2seq import fit_keeping_special
+from sft.data.build import prepare_splits
+from sft.data.encode import IGNORE_INDEX
+from sft.data.seq2seq import fit_keeping_special
 
 FLAN_T5_TOKENIZER = FIXTURES / "tokenizers" / "flan-t5-seq2seq-no-chat-template"
 PAIRS = [("add 1 and 2", "3"), ("add 3 and 4", "7"), ("the capital of France", "Paris"), ("greet me", "Hello"),
@@ -87,7 +87,7 @@ def test_decoder_only_models_read_seq2seq_rows_as_prompt_and_completion(tiny_mod
 
 
 def test_sft_data_shows_source_and_target(t5_dir, pairs_file, tmp_path, capsys):
-    from sft.cli import main
+    from sft.cli.main import main
 
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text(f"model_name_or_path: {t5_dir}\ndataset: {pairs_file}\noutput_dir: {tmp_path}\n")

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import REPO
 from sft import SFTError, load_recipe
-from sft.catalog import shipped
+from sft.training.catalog import shipped
 
 
 @pytest.mark.parametrize("reference", ["quickstart", "recipes/quickstart.yaml", "quickstart.yaml"])

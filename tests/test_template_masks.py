@@ -2,10 +2,10 @@
 conversations: multi-turn with a system prompt, no system prompt, reasoning_content on every answer, and a tool
 call with its result.
 
-The rule (sft/chat.py, docs/design.md): each trained assistant turn is what the model generates after the
+The rule (sft/data/chat.py, docs/design.md): each trained assistant turn is what the model generates after the
 generation prompt, through the token generation stops on. Expected texts are written per family from the
 template's meaning; they are not produced by the code under test. Labels come from the pipeline's own
-sft.encode.Encoding on a real byte-level BPE tokenizer (Qwen2.5's vocabulary) with each family's special tokens
+sft.data.encode.Encoding on a real byte-level BPE tokenizer (Qwen2.5's vocabulary) with each family's special tokens
 added, and the stop tokens are those the publisher's generation_config.json declares.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from sft.chat import ChatRenderer
-from sft.encode import Encoding
+from sft.data.chat import ChatRenderer
+from sft.data.encode import Encoding
 from sft.errors import SFTError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
@@ -361,7 +361,7 @@ def test_pieces_of_a_turn_are_labelled():
 
 
 def test_show_marks_reasoning_channel_and_tool_call_apart():
-    from sft.masks import show_examples
+    from sft.data.show import show_examples
 
     tok, stops = family_tokenizer("gptoss")
     examples = ChatRenderer(tok, generation_eos=stops).render_row(CONVERSATIONS["reasoning"], "chat.jsonl", 3)
@@ -399,7 +399,7 @@ def test_sft_data_reports_reasoning_tokens_and_split_rows(tmp_path, capsys):
     import yaml
     from transformers import GenerationConfig, LlamaConfig
 
-    from sft.cli import main
+    from sft.cli.main import main
 
     tok, stops = family_tokenizer("qwen3")
     model = tmp_path / "model"
@@ -448,7 +448,7 @@ def test_real_tool_call_data_trains_calls_and_answers_never_results(name):
 
 
 def test_stop_tokens_come_from_eos_and_the_generation_config():
-    from sft.chat_templates import stop_tokens
+    from sft.data.chat_templates import stop_tokens
 
     tok, stops = family_tokenizer("cohere2")
     assert stop_tokens(tok, None, stops) == stop_tokens(tok) == ["<|END_OF_TURN_TOKEN|>"]  # not <|END_RESPONSE|>

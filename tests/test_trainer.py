@@ -6,7 +6,7 @@ import torch
 
 from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
-from sft.encode import IGNORE_INDEX
+from sft.data.encode import IGNORE_INDEX
 
 
 def toy_dataset(seed: int = 0) -> datasets.Dataset:

@@ -1,0 +1,181 @@
+"""`sft check RECIPE`: prove a recipe sound in seconds on CPU, on a tiny model of the same architecture.
+
+Every key is validated, the data format is checked on a sample (the real data when reachable, else the project's
+sample data of the declared format), and the recipe's settings (packing, LoRA/QLoRA, NEFTune, chat template,
+generation eval, ...) run for 2 training steps and a short eval. GPU-only settings are reported and skipped.
+"""
+
+import dataclasses
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from sft.models.architectures import model_architecture
+from sft.training.catalog import shipped
+from sft.data.chat_templates import generation_eos
+from sft.config.arguments import SFTConfig
+from sft.errors import SFTError
+from sft.training.recipe import load_recipe
+
+log = logging.getLogger(__name__)
+DATA = shipped("data")
+EMBEDDED_TOKENIZER = DATA / "models" / "tiny-llama"
+SAMPLE_ROWS = 64  # enough for 2 steps and a short eval; keeps the check to seconds
+SAMPLES = {"messages": "chat_sample.jsonl", "alpaca": "alpaca_sample.json", "seq2seq": "seq2seq_sample.jsonl",
+           "text": "alpaca_sample.json", "prompt_completion": "alpaca_sample.json"}
+# Architectures guessed from a Hub id when its config cannot be fetched (offline check before renting a GPU).
+NAME_HINTS = (("mixtral", "mixtral"), ("mistral", "mistral"), ("zephyr", "mistral"), ("qwen3", "qwen3"),
+              ("qwen", "qwen2"), ("gemma-2", "gemma2"), ("gemma", "gemma"), ("phi-3", "phi3"), ("t5", "t5"),
+              ("bart", "bart"), ("gpt-neox", "gpt_neox"), ("pythia", "gpt_neox"), ("gpt2", "gpt2"), ("llama", "llama"))
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=1024, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+            n_embd=64, n_layer=2, n_head=4, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, head_dim=16)
+GPU_ONLY = {"bf16": False, "tf32": None, "fp16": False, "bf16_full_eval": False, "distributed": None,
+            "fsdp": "", "fsdp_config": None, "deepspeed": None}
+
+
+@dataclasses.dataclass
+class CheckReport:
+    """What `sft check` did and found."""
+
+    recipe: str
+    model_type: str = ""
+    data: str = ""
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    metrics: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        rows = [("recipe", self.recipe), ("architecture", f"tiny {self.model_type} (2 layers, hidden 64)"),
+                ("data", self.data), ("skipped (GPU only)", ", ".join(self.skipped) or "-")]
+        rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in self.metrics.items()]
+        rows.append(("time", f"{self.seconds:.1f} s"))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + "\nOK: the recipe is sound."
+
+
+def check_recipe(path: str, flags: list[str] | None = None) -> CheckReport:
+    """Validate and dry-run a recipe on CPU; raises SFTError with what is wrong."""
+    start = time.perf_counter()
+    config = load_recipe(path, flags=flags)
+    unset_hf_deepspeed_config()  # validating a ZeRO-3 recipe sets a global that would partition the tiny model
+    report = CheckReport(recipe=str(path))
+    with tempfile.TemporaryDirectory(prefix="sft-check-") as tmp:
+        overrides = cpu_overrides(config, report, Path(tmp))
+        overrides.update(sample_data(config, report))
+        overrides.update(tiny_model(config, report, Path(tmp) / "model"))
+        values = {**{k: getattr(config, k) for k in config.recipe_keys}, **overrides}
+        from sft.training.flows import train
+
+        run_dir = train(load_recipe(values))
+        report.metrics = _final_metrics(run_dir)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:
+    """Short-run settings, and GPU-only keys turned off (and reported) on a machine without CUDA."""
+    overrides = {"output_dir": str(tmp / "run"), "max_steps": 2, "num_train_epochs": 1, "logging_steps": 1,
+                 "save_strategy": "no", "eval_strategy": "no", "report_to": "none", "dtype": "float32",
+                 "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, "gradient_accumulation_steps": 1,
+                 "max_length": min(config.max_length, 256), "dataloader_num_workers": 0, "overwrite_output_dir": True,
+                 "bnb_4bit_compute_dtype": "float32", "push_to_hub": False}
+    if config.attn_implementation and config.attn_implementation.startswith("flash"):
+        report.skipped.append(f"attn_implementation={config.attn_implementation}")
+        overrides["attn_implementation"] = "sdpa"
+    if not torch.cuda.is_available():
+        for key, off in GPU_ONLY.items():
+            if getattr(config, key) not in (None, False, "", [], {}):
+                report.skipped.append(key)
+                overrides[key] = off
+    return overrides
+
+
+def sample_data(config: SFTConfig, report: CheckReport) -> dict:
+    """The recipe's own data when it is a local file, else the project's sample data of the declared format."""
+    from sft.data.sources import parse_sources
+
+    sources = parse_sources(config.dataset)
+    if all(Path(s.path).expanduser().exists() for s in sources):
+        report.data = f"the recipe's own data (first {SAMPLE_ROWS} rows of each source)"
+        # "train[:64]" samples as "train[:8]": datasets cannot slice a slice
+        sliced = [{"path": s.path, "split": f"{s.split.split('[')[0]}[:{SAMPLE_ROWS}]", "columns": s.columns}
+                  for s in sources]
+        return {"dataset": sliced, "eval_dataset": None, "eval_split_size": 8}
+    fmt = config.dataset_format if config.dataset_format != "auto" else guess_format(config)
+    report.data = f"sample {fmt} data ({SAMPLES[fmt]}); the recipe's data is not reachable here"
+    sample = [{"path": str(DATA / SAMPLES[fmt]), "split": f"train[:{SAMPLE_ROWS}]"}]
+    return {"dataset": sample, "eval_dataset": None, "eval_split_size": 8, "dataset_format": fmt}
+
+
+def guess_format(config: SFTConfig) -> str:
+    """The format a recipe implies when it says `auto` and its data is out of reach."""
+    return "messages" if config.chat_template else "alpaca"
+
+
+def guess_model_type(name: str) -> str:
+    """The model_type of `name`: from its config (local, cached or built in before the Hub), else from its name."""
+    try:
+        return model_architecture(name).model_type
+    except SFTError:
+        pass
+    lowered = name.lower()
+    for hint, model_type in NAME_HINTS:
+        if hint in lowered:
+            return model_type
+    raise SFTError(f"sft check cannot tell the architecture of {name} offline; run it where the Hub is reachable.")
+
+
+def tiny_model(config: SFTConfig, report: CheckReport, folder: Path) -> dict:
+    """Save a 2-layer model of the recipe's architecture with a local tokenizer; returns recipe overrides."""
+    report.model_type = guess_model_type(config.model_name_or_path)
+    tokenizer = local_tokenizer(config)
+    tiny_config = AutoConfig.for_model(report.model_type, vocab_size=len(tokenizer), **_tiny_fields(report.model_type))
+    tiny_config.pad_token_id = tokenizer.pad_token_id
+    if tiny_config.is_encoder_decoder:  # T5/BART configs made from scratch name no decoder start token
+        tiny_config.decoder_start_token_id = tokenizer.pad_token_id
+    auto = AutoModelForSeq2SeqLM if tiny_config.is_encoder_decoder else AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = auto.from_config(tiny_config)
+    eos = generation_eos(config.model_name_or_path)
+    if eos is not None:  # the recipe model's stop tokens end chat turns (GLM's <|observation|>), not the default's
+        model.generation_config.eos_token_id = eos
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return {"model_name_or_path": str(folder), "tokenizer_name_or_path": None, "revision": None,
+            "trust_remote_code": False}
+
+
+def local_tokenizer(config: SFTConfig):
+    """The recipe's tokenizer when it is on this machine (or cached), else the embedded tiny model's."""
+    for name in (config.tokenizer_name_or_path, config.model_name_or_path):
+        if not name:
+            continue
+        try:
+            return AutoTokenizer.from_pretrained(name, revision=config.revision)
+        except (OSError, ValueError):
+            continue
+    if not (EMBEDDED_TOKENIZER / "tokenizer.json").exists():
+        raise SFTError(f"sft check needs a local tokenizer: none for the recipe, and {EMBEDDED_TOKENIZER} is missing "
+                       "(rebuild it with scripts/make_tiny_model.py).")
+    return AutoTokenizer.from_pretrained(EMBEDDED_TOKENIZER)
+
+
+def _tiny_fields(model_type: str) -> dict:
+    """The TINY size fields that this architecture's config class knows."""
+    known = AutoConfig.for_model(model_type).to_dict()
+    return {k: v for k, v in TINY.items() if k in known}
+
+
+def _final_metrics(run_dir: Path) -> dict:
+    import json
+
+    results = run_dir / "all_results.json"
+    metrics = json.loads(results.read_text()) if results.exists() else {}
+    return {k: v for k, v in metrics.items() if k in ("train_loss", "eval_loss") or k.startswith("eval_")}

@@ -1,0 +1,73 @@
+"""Value checks on a built recipe: ranges and combinations TrainingArguments leaves to fail later, with a traceback,
+after tokenization and model loading. Each failure is one SFTError saying which key, what it got and what it takes."""
+
+import math
+
+from sft.config.arguments import SFTConfig
+from sft.errors import SFTError
+
+# key: the smallest value that makes sense (None values mean "unset" and are not checked).
+AT_LEAST_ONE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                "max_length", "lora_r", "max_new_tokens", "generation_num_beams", "generation_max_length",
+                "dataset_num_proc", "save_total_limit")
+NOT_NEGATIVE = ("learning_rate", "weight_decay", "max_grad_norm", "num_train_epochs", "neftune_noise_alpha",
+                "lora_alpha", "lora_dropout", "eval_split_size", "warmup_steps")
+
+
+def check_values(config: SFTConfig) -> None:
+    """Raise SFTError for the first value no run could use."""
+    for key in AT_LEAST_ONE:
+        value = getattr(config, key, None)
+        if value is not None and value < 1:
+            raise SFTError(f"Bad value for `{key}`: {value!r}; it must be at least 1.")
+    for key in NOT_NEGATIVE:
+        value = getattr(config, key, None)
+        if value is not None and not (value >= 0 and math.isfinite(value)):  # NaN fails `>= 0` too
+            raise SFTError(f"Bad value for `{key}`: {value!r}; it must be a finite number >= 0.")
+    if config.max_steps == 0 or config.max_steps < -1:
+        raise SFTError(f"Bad value for `max_steps`: {config.max_steps}; give a positive number of optimizer steps, "
+                       "or -1 to train for num_train_epochs.")
+    for key in ("logging_steps", "save_steps", "eval_steps"):  # a float below 1 is a ratio of the total steps
+        value = getattr(config, key)
+        if value is not None and not value > 0:
+            raise SFTError(f"Bad value for `{key}`: {value!r}; give a positive number of steps (or a ratio below 1).")
+    if config.num_train_epochs == 0 and config.max_steps == -1:
+        raise SFTError("num_train_epochs is 0 and max_steps unset: the run would train nothing. Set num_train_epochs "
+                       "or max_steps.")
+    if not 0 <= config.seed < 2**32:
+        raise SFTError(f"Bad value for `seed`: {config.seed}; give a number from 0 to 4294967295.")
+    if config.lora_dropout >= 1:
+        raise SFTError(f"Bad value for `lora_dropout`: {config.lora_dropout}; a dropout probability is below 1.")
+    check_eval_split(config.eval_split_size)
+    check_reporting(config.report_to)
+    check_eval_plan(config)
+    if not str(config.output_dir or "").strip():
+        raise SFTError("`output_dir` is empty: give the folder the run should write to, e.g. outputs/my-run.")
+
+
+def check_eval_split(size: float) -> None:
+    """eval_split_size is a fraction below 1 or a whole number of rows (see sft.data.build.split_off_eval)."""
+    if size >= 1 and not float(size).is_integer():
+        raise SFTError(f"Bad value for `eval_split_size`: {size}; give a fraction below 1 (0.1 = 10% of the rows) "
+                       "or a whole number of rows (e.g. 100).")
+
+
+def check_reporting(report_to: list[str] | None) -> None:
+    """Every logger in report_to is installed; the Trainer would otherwise fail after the model has loaded."""
+    from transformers.integrations import get_available_reporting_integrations
+
+    missing = [name for name in report_to or [] if name not in ("none", "all")
+               and name not in get_available_reporting_integrations()]
+    if missing:
+        raise SFTError(f"report_to: {missing[0]} is not installed here (available: "
+                       f"{', '.join(get_available_reporting_integrations()) or 'none'}). Install it "
+                       f"(pip install {missing[0]}) or set report_to: none.")
+
+
+def check_eval_plan(config: SFTConfig) -> None:
+    """Evaluating during training needs eval data; say so now rather than when the Trainer is built."""
+    has_eval = config.eval_dataset is not None or bool(config.eval_split_size)
+    if str(getattr(config.eval_strategy, "value", config.eval_strategy)) != "no" and not has_eval:
+        raise SFTError(f"eval_strategy is {getattr(config.eval_strategy, 'value', config.eval_strategy)} but the "
+                       "recipe has no eval data: set `eval_dataset`, or `eval_split_size` (e.g. 0.1), or "
+                       "eval_strategy: 'no'.")

@@ -1,0 +1,46 @@
+"""What `sft data` reports: statistics of a recipe's training data and, on request, rendered examples."""
+
+from sft.config.arguments import SFTConfig
+from sft.data.build import SourceFormat, make_renderer, prepare_splits, resolve_format
+from sft.data.encode import Encoding
+from sft.data.formats import CHAT_FORMATS, Rendered
+from sft.models.loading import is_encoder_decoder, load_tokenizer
+from sft.data.sources import load_source, parse_sources
+from sft.data.stats import DataStats, compute_stats
+
+
+def describe_data(config: SFTConfig, show: int = 0, color: bool = False) -> tuple[DataStats, str]:
+    """Training-data stats and (when show > 0) the first `show` examples with trained tokens marked."""
+    tokenizer = load_tokenizer(config)
+    train, _ = prepare_splits(config, tokenizer)
+    stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows,
+                          config.packing_strategy if config.packing else None)
+    if any(s.format in CHAT_FORMATS for s in train.sources) or train.reasoning_tokens or train.split_rows:
+        stats.reasoning_tokens, stats.history, stats.split_rows = (train.reasoning_tokens, config.history,
+                                                                   train.split_rows)
+    if not show:
+        return stats, ""
+    from sft.data.show import show_examples
+
+    examples = _chat_examples(config, tokenizer, show) if not is_encoder_decoder(config) else None
+    return stats, show_examples(examples or train.dataset, tokenizer, show, color, is_encoder_decoder(config))
+
+
+def _chat_examples(config: SFTConfig, tokenizer, count: int) -> list[dict] | None:
+    """The first `count` examples of the first source when it is chat data, with the kind of each trained piece
+    (reasoning, channel, tool call), which the tokenized dataset does not keep; None for other formats."""
+    source = parse_sources(config.dataset)[0]
+    raw = load_source(source)
+    fmt = resolve_format(config, raw.column_names, source.label)
+    if fmt not in CHAT_FORMATS:
+        return None
+    render = make_renderer(config, SourceFormat(source.label, fmt, False), tokenizer, raw)
+    encoding = Encoding(tokenizer, config.max_length, config.truncation_side)
+    rows: list[Rendered] = []
+    for number in range(len(raw)):
+        if len(rows) >= count:
+            break
+        rows += render(raw[number], source.label, number + 1)
+    encoded = encoding.encode(rows[:count])
+    return [{"input_ids": ids, "labels": labels, "kinds": kinds}
+            for ids, labels, kinds in zip(encoded["input_ids"], encoded["labels"], encoded["kinds"])]

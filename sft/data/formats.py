@@ -1,0 +1,172 @@
+"""Dataset formats: detect a format from columns and render each row to text plus the character spans to train."""
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from sft.errors import SFTError
+
+# Stanford Alpaca's prompt templates, verbatim (tatsu-lab/stanford_alpaca train.py).
+ALPACA_PROMPT_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:"
+)
+
+# Columns each format needs, in detection order (the first format whose columns are all present wins).
+REQUIRED_COLUMNS = {
+    "messages": ("messages",),
+    "sharegpt": ("conversations",),
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "seq2seq": ("source", "target"),
+    "text": ("text",),
+}
+CHAT_FORMATS = ("messages", "sharegpt")  # rendered by sft.data.chat.ChatRenderer through a chat template
+
+
+@dataclass
+class Rendered:
+    """One example as text, the character spans whose tokens are trained, and how to tokenize it."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    append_eos: bool = True  # plain formats end with EOS; chat templates write their own end-of-turn tokens
+    add_special_tokens: bool = True  # chat templates already contain BOS
+    # Chat turns: labelled character pieces of the trained spans (reasoning, answer, tool_call, channel, end), and
+    # whether this is an extra example a row made under `history: split`.
+    kinds: list[tuple[int, int, str]] = field(default_factory=list)
+    split: bool = False
+
+
+def detect_format(columns: list[str], where: str) -> str:
+    """The format implied by the dataset's columns, or an error suggesting a `columns` mapping."""
+    for name, required in REQUIRED_COLUMNS.items():
+        if all(c in columns for c in required):
+            return name
+    raise SFTError(f"Dataset {where}: cannot tell its format from columns {columns}. Expected one of: "
+                   + "; ".join(f"{name} ({', '.join(cols)})" for name, cols in REQUIRED_COLUMNS.items())
+                   + _rename_hint(columns) + ". Or set `dataset_format`.")
+
+
+IMAGE_COLUMNS = ("images", "image", "image_url", "pixel_values", "videos", "audios")
+
+
+def check_sft_data(columns: list[str], first_row: dict, where: str) -> None:
+    """Refuse data made for another kind of training, before any column of it is mistaken for a conversation."""
+    if "chosen" in columns and "rejected" in columns:
+        raise SFTError(f"Dataset {where} holds preference pairs (columns `chosen` and `rejected`), data for DPO/ORPO "
+                       "preference training, which sft does not do. sft trains on demonstrations: to fine-tune on the "
+                       "preferred answers, map them with `columns: {chosen: completion}` (or save prompt + chosen "
+                       "as messages) and leave `rejected` out.")
+    kto = "kto_tag" if "kto_tag" in columns else "label" if isinstance(first_row.get("label"), bool) else None
+    if kto:
+        raise SFTError(f"Dataset {where} holds KTO data (a true/false `{kto}` per answer), for desirable/undesirable "
+                       "preference training, which sft does not do. sft trains on demonstrations: keep only the rows "
+                       f"whose `{kto}` is true and drop the column.")
+    media = [c for c in IMAGE_COLUMNS if c in columns]
+    if media:
+        raise SFTError(f"Dataset {where} holds multimodal rows (column `{media[0]}`); sft fine-tunes text-only "
+                       f"language models. Use text-only rows, or drop `{media[0]}` if the text stands on its own.")
+
+
+def check_columns(fmt: str, columns: list[str], where: str) -> None:
+    """Every column `fmt` needs is present, or an error naming the missing one and a likely rename."""
+    missing = [c for c in REQUIRED_COLUMNS[fmt] if c not in columns]
+    if missing:
+        raise SFTError(f"Dataset {where}: format {fmt} needs column `{missing[0]}`, which is missing "
+                       f"(columns: {', '.join(columns)}){_rename_hint(columns, missing)}.")
+
+
+def _rename_hint(columns: list[str], wanted: list[str] | None = None) -> str:
+    """A `columns:` mapping suggestion for a column that looks like an expected one."""
+    targets = wanted or sorted({c for cols in REQUIRED_COLUMNS.values() for c in cols})
+    for target in targets:
+        close = difflib.get_close_matches(target, columns, n=1, cutoff=0.6)
+        if close and close[0] != target:
+            return f". Column `{close[0]}` looks like `{target}`: map it with `columns: {{{close[0]}: {target}}}`"
+    return ""
+
+
+def field_text(row: dict, name: str, where: str, row_number: int, required: bool = True) -> str:
+    """A string field of a row, or an error naming the row and what is wrong with it."""
+    value = row.get(name)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        kind = "missing" if value is None else f"{type(value).__name__} {str(value)[:40]!r}, not a string"
+        raise SFTError(f"Dataset {where}, row {row_number}: field `{name}` is {kind}. Fix or remove the row.")
+    if required and not value.strip():
+        raise SFTError(f"Dataset {where}, row {row_number}: field `{name}` is empty. Fix or remove the row.")
+    return value
+
+
+def render_alpaca(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
+    """Stanford Alpaca: the prompt template, then the output; the output (and EOS) are trained."""
+    instruction = field_text(row, "instruction", where, row_number)
+    extra = field_text(row, "input", where, row_number, required=False)
+    output = field_text(row, "output", where, row_number)
+    template = ALPACA_PROMPT_INPUT if extra.strip() else ALPACA_PROMPT_NO_INPUT
+    prompt = template.format(instruction=instruction, input=extra)
+    return _prompt_completion(prompt, output, completion_only)
+
+
+def render_prompt_completion(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
+    """Prompt followed directly by completion; the completion (and EOS) are trained."""
+    prompt = field_text(row, "prompt", where, row_number, required=False)
+    completion = field_text(row, "completion", where, row_number)
+    return _prompt_completion(prompt, completion, completion_only)
+
+
+def render_seq2seq(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
+    """Source/target pairs for a decoder-only model: source, a newline so the boundary is visible, then target.
+
+    Encoder-decoder models encode the two sides separately (sft.data.seq2seq) and never see this newline.
+    """
+    source = field_text(row, "source", where, row_number)
+    return _prompt_completion(source + "\n", field_text(row, "target", where, row_number), completion_only)
+
+
+def render_text(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
+    """Plain text, all trained."""
+    text = field_text(row, "text", where, row_number)
+    return Rendered(text, [(0, len(text))])
+
+
+def _prompt_completion(prompt: str, completion: str, completion_only: bool) -> Rendered:
+    text = prompt + completion
+    return Rendered(text, [(len(prompt) if completion_only else 0, len(text))])
+
+
+RENDERERS: dict[str, Callable[..., Rendered]] = {
+    "alpaca": render_alpaca,
+    "prompt_completion": render_prompt_completion,
+    "seq2seq": render_seq2seq,
+    "text": render_text,
+}
+
+
+def default_completion_only(fmt: str) -> bool:
+    """completion_only_loss when the recipe leaves it unset: train only answers where prompts exist."""
+    return fmt in ("alpaca", "prompt_completion", "seq2seq")
+
+
+def row_renderer(fmt: str, completion_only: bool, chat: Any = None,
+                 ) -> Callable[[dict, str, int], Rendered | list[Rendered]]:
+    """A function row -> Rendered (or a list of them) for `fmt`; chat formats render through `chat` (a
+    sft.data.chat.ChatRenderer), which returns a list: empty for a row it drops (no assistant turn with
+    `no_assistant_turn: drop`), several for a row split by `history: split`.
+    prompt_completion rows whose prompt is a message list (conversational) also go through `chat` when given.
+    """
+    if fmt in CHAT_FORMATS:
+        return chat.render_row
+    render = RENDERERS[fmt]
+    if fmt == "prompt_completion" and chat is not None:
+        return lambda row, where, number: (chat.render_row(row, where, number) if isinstance(row.get("prompt"), list)
+                                           else render(row, where, number, completion_only))
+    return lambda row, where, number: render(row, where, number, completion_only)

@@ -1,0 +1,69 @@
+"""Dataset statistics: the numbers `sft data` prints and `sft train` saves as data_stats.json."""
+
+from dataclasses import asdict, dataclass
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+
+from sft.data.encode import IGNORE_INDEX
+from sft.data.packing import estimate_packing
+
+
+@dataclass
+class DataStats:
+    """Token and row counts of a tokenized dataset (before packing unless packed_rows is set)."""
+
+    rows: int
+    tokens: int
+    trained_tokens: int
+    dropped_rows: int
+    truncated_rows: int
+    length_p50: float
+    length_p95: float
+    length_max: int
+    max_length: int
+    packed_rows: int | None = None
+    packing_efficiency: float | None = None
+    reasoning_tokens: int | None = None  # chat data: trained tokens inside reasoning blocks
+    history: str | None = None  # chat data: the `history` policy for templates that render history differently
+    split_rows: int | None = None  # chat data: extra examples that policy made (history: split)
+
+    def as_dict(self) -> dict:
+        """JSON-ready mapping (the `sft data --json` keys)."""
+        return asdict(self)
+
+    def table(self, title: str = "Dataset") -> str:
+        """A two-column text table for terminals and logs."""
+        rows = [(k.replace("_", " "), _fmt(k, v)) for k, v in self.as_dict().items() if v is not None]
+        width = max(len(k) for k, _ in rows)
+        lines = [title, "-" * (width + 14)] + [f"{k:<{width}}  {v:>12}" for k, v in rows]
+        return "\n".join(lines)
+
+
+def _fmt(key: str, value: float | int | str) -> str:
+    if isinstance(value, str):
+        return value
+    if key == "packing_efficiency":
+        return f"{value:.2%}"
+    return f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
+
+
+def compute_stats(dataset: datasets.Dataset, max_length: int, dropped_rows: int = 0, truncated_rows: int = 0,
+                  packing_strategy: str | None = None) -> DataStats:
+    """Stats of a tokenized dataset with input_ids, labels and length columns (vectorised over Arrow).
+
+    With a packing_strategy, packed_rows and packing_efficiency say what packing into max_length rows gives.
+    """
+    table = dataset.select_columns(["length", "labels"]).with_format("arrow")[:]  # honours any row selection
+    lengths = np.asarray(table.column("length").to_numpy(), dtype=np.int64)
+    labels = pc.list_flatten(table.column("labels"))
+    trained = int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
+    p50, p95 = (np.percentile(lengths, [50, 95]) if lengths.size else (0.0, 0.0))
+    stats = DataStats(rows=len(dataset), tokens=int(lengths.sum()), trained_tokens=trained,
+                      dropped_rows=dropped_rows, truncated_rows=truncated_rows, length_p50=float(p50),
+                      length_p95=float(p95), length_max=int(lengths.max(initial=0)), max_length=max_length)
+    if packing_strategy:
+        packed = estimate_packing(lengths, max_length, packing_strategy)
+        stats.packed_rows, stats.packing_efficiency = packed.packed_rows, packed.packing_efficiency
+    return stats

@@ -1,0 +1,208 @@
+"""Generation-based evaluation: prompts cut out of eval batches, batched generate(), decoded predictions.
+
+Decoder-only models generate from the tokens before an example's first trained label (the prompt), left-padded so
+every prompt ends where generation starts; the reference is the first run of trained labels (the answer and its
+EOS / end-of-turn). Encoder-decoder models generate from the whole encoder input; the reference is the labels.
+Either way generate() never sees a reference token: transformers' Seq2SeqTrainer would hand a decoder-only model
+prompt and answer together.
+
+Where the first trained token merges the prompt's last characters with the answer's first (Qwen and Llama-3 tokenize
+Alpaca's `### Response:` + answer with the colon inside the answer's first token), the tokenized data records how
+many characters of that token are prompt (`answer_offset`): generate() then gets the prompt text exactly (ending in
+the colon) and the reference is the answer text exactly.
+"""
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import datasets
+import torch
+from torch import nn
+from transformers import GenerationConfig, PreTrainedTokenizerBase, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+from sft.config.arguments import SFTConfig
+from sft.data.encode import IGNORE_INDEX
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass
+class Example:
+    """One eval example as token ids: what generate() gets, and the answer it should produce."""
+
+    prompt: list[int]
+    reference: list[int]
+    prompt_chars: int = 0  # characters of reference[0] that belong to the prompt (see the module docstring)
+
+
+def causal_example(ids: torch.Tensor, labels: torch.Tensor, offsets: dict[tuple, int] | None = None) -> Example | None:
+    """Split one unpadded example at its first trained label; None when nothing in it is trained.
+
+    `offsets` maps an example's token ids to its answer_offset where that is not 0 (see answer_offsets).
+    """
+    trained = labels != IGNORE_INDEX
+    if not trained.any():
+        return None
+    first = int(trained.nonzero()[0])
+    untrained_after = (~trained[first:]).nonzero()
+    end = first + int(untrained_after[0]) if len(untrained_after) else len(labels)
+    split = offsets.get(tuple(ids.tolist()), 0) if offsets else 0
+    return Example(ids[:first].tolist(), labels[first:end].tolist(), split)
+
+
+def answer_offsets(dataset: Any) -> dict[tuple, int]:
+    """{token ids: answer_offset} of the tokenized (unpacked) examples whose answer starts inside a token."""
+    if not isinstance(dataset, datasets.Dataset) or "answer_offset" not in dataset.column_names:
+        return {}
+    table = dataset.select_columns(["input_ids", "answer_offset"]).with_format("arrow")[:]
+    offsets = table.column("answer_offset").to_pylist()
+    rows = [i for i, offset in enumerate(offsets) if offset]
+    ids = table.column("input_ids").take(rows).to_pylist() if rows else []
+    return {tuple(row): offsets[i] for i, row in zip(rows, ids)}
+
+
+def causal_examples(inputs: dict[str, Any], offsets: dict[tuple, int] | None = None) -> list[list[Example]]:
+    """The examples of a causal eval batch, grouped by dataset row (a packed row holds several).
+
+    Plain batches drop padding with the attention mask; packed and padding-free batches (position_ids) are split
+    where positions restart. A padding-free batch is one flattened row, so there each example is its own group.
+    """
+    ids, labels = inputs["input_ids"], inputs["labels"]
+    if "position_ids" not in inputs:
+        mask = inputs.get("attention_mask")
+        keep = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+        rows = [[causal_example(ids[i][keep[i]], labels[i][keep[i]], offsets)] for i in range(ids.shape[0])]
+    else:
+        rows = [[causal_example(ids[i, a:b], labels[i, a:b], offsets)
+                 for a, b in segments(inputs["position_ids"][i])] for i in range(ids.shape[0])]
+        if "cu_seq_lens_q" in inputs:  # flattened by the padding-free collator: one example per dataset row
+            rows = [[example] for example in rows[0]]
+    return [[e for e in row if e is not None] for row in rows]
+
+
+def segments(positions: torch.Tensor) -> Iterator[tuple[int, int]]:
+    """(start, end) of each example in a packed row: a new one starts wherever positions do not go up by 1."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    bounds = starts.nonzero().flatten().tolist() + [len(positions)]
+    return zip(bounds[:-1], bounds[1:])
+
+
+def seq2seq_examples(inputs: dict[str, Any]) -> list[list[Example]]:
+    """The examples of an encoder-decoder eval batch: encoder input (padding dropped) and target labels."""
+    ids, labels = inputs["input_ids"], inputs["labels"]
+    mask = inputs.get("attention_mask")
+    keep = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+    return [[Example(ids[i][keep[i]].tolist(), labels[i][labels[i] != IGNORE_INDEX].tolist())]
+            for i in range(ids.shape[0])]
+
+
+def pad_prompts(prompts: list[list[int]], pad_id: int, left: bool,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask for a batch of prompts, padded on the left or the right."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        span = slice(width - len(prompt), width) if left else slice(0, len(prompt))
+        ids[row, span] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, span] = 1
+    return ids.to(device), mask.to(device)
+
+
+def eval_generation_config(model: nn.Module, tokenizer: PreTrainedTokenizerBase, args: Seq2SeqTrainingArguments,
+                           overrides: dict[str, Any] | None = None) -> GenerationConfig:
+    """Decoding settings for evaluation: the recipe's generation_config, else the model's made greedy.
+
+    max_new_tokens (or generation_max_length, taken as new tokens so long prompts still get an answer) and
+    generation_num_beams apply on top; generation stops at the tokenizer's EOS, the config's EOS ids and the chat
+    template's end-of-turn token. `overrides` are generate() keyword arguments given to evaluate().
+    """
+    from sft.evaluation.generation import stop_token_ids
+
+    if args.generation_config is not None:
+        config = Seq2SeqTrainer.load_generation_config(args.generation_config)
+    else:
+        config = GenerationConfig.from_dict(model.generation_config.to_dict())
+        # A model's own sampling defaults (e.g. temperature 0.6) would make eval metrics noisy from run to run.
+        config.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    max_new_tokens = args.max_new_tokens if isinstance(args, SFTConfig) else None
+    config.update(max_new_tokens=max_new_tokens or args.generation_max_length or DEFAULT_MAX_NEW_TOKENS,
+                  max_length=None, use_cache=True, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=sorted(stop_token_ids(tokenizer, config)))
+    if args.generation_num_beams is not None:
+        config.num_beams = args.generation_num_beams
+    config.update(**(overrides or {}))
+    return config
+
+
+@dataclass
+class PromptGenerator:
+    """Batched generation from prompts; returns {prompt, reference, prediction} texts per example."""
+
+    model: nn.Module  # the model whose .generate() runs (the Trainer's, so FSDP/ZeRO-3 wrappers are honoured)
+    tokenizer: PreTrainedTokenizerBase
+    config: GenerationConfig
+    encoder_decoder: bool
+    synced_gpus: bool = False  # ZeRO-3 / FSDP: every rank keeps stepping until all have finished
+    offsets: dict[tuple, int] = field(default_factory=dict)  # answer_offsets of the eval set
+
+    def examples(self, inputs: dict[str, Any]) -> list[list[Example]]:
+        """The batch's examples grouped by dataset row."""
+        return seq2seq_examples(inputs) if self.encoder_decoder else causal_examples(inputs, self.offsets)
+
+    def prompt_ids(self, example: Example) -> list[int]:
+        """The prompt's tokens; a prompt ending inside the first answer token gets its own last characters back."""
+        if not example.prompt_chars:
+            return example.prompt
+        tail = self.tokenizer.decode(example.reference[:1])[:example.prompt_chars]
+        return example.prompt + self.tokenizer.encode(tail, add_special_tokens=False)
+
+    def generate(self, examples: list[Example], device: torch.device | str) -> list[dict[str, str]]:
+        """Generate for every example in one batched call and decode prompt, reference and prediction."""
+        if not examples:
+            return []
+        prompts = [self.prompt_ids(e) for e in examples]
+        ids, mask = pad_prompts(prompts, self.tokenizer.pad_token_id,
+                                left=not self.encoder_decoder, device=device)
+        with torch.no_grad(), full_parameters(self.model):
+            output = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.config,
+                                         synced_gpus=self.synced_gpus)
+        per_prompt = self.config.num_return_sequences or 1
+        output = output.view(len(examples), per_prompt, -1)[:, 0]  # the best sequence of each prompt
+        # A decoder-only output repeats the (padded) prompt; an encoder-decoder one starts with the decoder start id.
+        new_tokens = output[:, 1:] if self.encoder_decoder else output[:, ids.shape[1]:]
+        return [self.record(e, p, tokens.tolist()) for e, p, tokens in zip(examples, prompts, new_tokens)]
+
+    def record(self, example: Example, prompt: list[int], generated: list[int]) -> dict[str, str]:
+        """One predictions.jsonl line; reference and prediction end at the first stop token."""
+        return {"prompt": self.tokenizer.decode(prompt, skip_special_tokens=False),
+                "reference": self.decode_answer(example.reference)[example.prompt_chars:],
+                "prediction": self.decode_answer(generated)}
+
+    def decode_answer(self, tokens: list[int]) -> str:
+        """Text of the tokens before the first EOS / end-of-turn id, special tokens dropped."""
+        stops = self.config.eos_token_id if isinstance(self.config.eos_token_id, list) else [self.config.eos_token_id]
+        end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+        return self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+
+
+def full_parameters(model: nn.Module) -> contextlib.AbstractContextManager:
+    """FSDP (v1) shards must be gathered for generate(); FSDP2 and ZeRO-3 gather per layer with synced_gpus."""
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(model, FullyShardedDataParallel):
+            return FullyShardedDataParallel.summon_full_params(model)
+    return contextlib.nullcontext()
+
+
+def write_predictions(records: list[dict[str, str]], path: Path) -> None:
+    """predictions.jsonl: one {prompt, reference, prediction} object per line, written whole then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    staging.replace(path)

@@ -1,0 +1,143 @@
+"""LoRA / DoRA / rsLoRA adapters from a recipe (peft), and the preparation a quantized base needs (QLoRA)."""
+
+import logging
+import warnings
+from pathlib import Path
+
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from transformers import PreTrainedModel
+
+from sft.config.arguments import SFTConfig
+from sft.errors import SFTError
+
+log = logging.getLogger(__name__)
+# peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` on every adapter it builds or loads.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+ADAPTER_CONFIG = "adapter_config.json"
+ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer except the output head
+
+
+def lora_config(config: SFTConfig, model: PreTrainedModel, new_rows: range = range(0)) -> LoraConfig:
+    """The peft LoraConfig for the recipe; `new_rows` are embedding rows added for new tokens, trained as well.
+
+    Args:
+        config: the recipe (lora_* keys, use_dora, use_rslora).
+        model: the base model the adapter goes on.
+        new_rows: embedding rows beyond the base vocabulary (added tokens and their padding).
+    """
+    return LoraConfig(
+        task_type="SEQ_2_SEQ_LM" if model.config.is_encoder_decoder else "CAUSAL_LM",
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=target_modules(config.lora_target_modules),
+        use_dora=config.use_dora,
+        use_rslora=config.use_rslora,
+        modules_to_save=config.lora_modules_to_save,
+        trainable_token_indices=new_token_targets(model, new_rows, config.lora_modules_to_save or []),
+    )
+
+
+def target_modules(names: list[str] | None) -> list[str] | str:
+    """lora_target_modules as peft takes it: unset or [all-linear] means peft's all-linear shorthand."""
+    return ALL_LINEAR if not names or names == [ALL_LINEAR] else names
+
+
+def new_token_targets(model: PreTrainedModel, new_rows: range, fully_trained: list[str]) -> dict[str, list[int]] | None:
+    """Input and output embedding layers mapped to the new rows to train, or None when no rows were added.
+
+    A frozen base would otherwise keep the new tokens at their initial values: the model could neither read
+    nor write them. Only those rows are trained and saved (peft trainable tokens), not the whole matrix.
+    """
+    if not new_rows:
+        return None
+    layers = [model.get_input_embeddings(), model.get_output_embeddings()]
+    names = [name for name, module in model.named_modules() if any(module is layer for layer in layers)]
+    # A layer listed in lora_modules_to_save is trained whole already; peft refuses both on one layer.
+    return {name: list(new_rows) for name in names if name.rsplit(".", 1)[-1] not in fully_trained} or None
+
+
+def add_adapter(model: PreTrainedModel, config: SFTConfig, new_token_ids: list[int] | None = None) -> PeftModel:
+    """Freeze `model` and wrap it in the recipe's trainable LoRA adapter (after k-bit preparation if quantized).
+
+    Args:
+        model: the loaded base model, embeddings already resized for the tokenizer.
+        config: the recipe.
+        new_token_ids: ids of tokens added to the vocabulary (sft.models.loading.fit_embeddings); their rows get trained.
+    """
+    if config.load_in_4bit or config.load_in_8bit:
+        prepare_quantized_base(model)
+    # Train every row past the old vocabulary, padding rows too: saved with the adapter, they reload exactly.
+    rows = model.get_input_embeddings().num_embeddings  # not weight.shape: (0,) once ZeRO-3 partitions it
+    new_rows = range(new_token_ids[0], rows) if new_token_ids else range(0)
+    # peft keeps adapter weights (DoRA magnitudes included) in float32 even on a bf16 base; never downcast
+    # them: bf16 rounds the small updates of DoRA magnitudes to zero and silently freezes them.
+    try:
+        peft_model = get_peft_model(model, lora_config(config, model, new_rows))
+    except ValueError as err:  # e.g. a target module name the model does not have
+        raise SFTError(f"Cannot add the LoRA adapter: {str(err).splitlines()[0]} Check lora_target_modules and "
+                       "lora_modules_to_save against the model's module names (e.g. q_proj, v_proj).") from None
+    # adapter_config.json names the base; a local one by absolute path, so merge/generate work from any folder
+    if Path(model.name_or_path).exists():
+        peft_model.peft_config["default"].base_model_name_or_path = str(Path(model.name_or_path).resolve())
+    log_trainable_parameters(peft_model)
+    return peft_model
+
+
+def prepare_quantized_base(model: PreTrainedModel) -> None:
+    """Freeze the quantized base and upcast its remaining bf16/fp16 weights (norms, embeddings, head) to float32.
+
+    peft's k-bit preparation: float32 norms keep the statistics stable, and a float32 residual stream lets
+    every layer mix with the float32 adapters whether or not the Trainer autocasts. It costs 2 bytes per
+    embedding parameter (about 2 GB on a 128k-vocabulary 8B model). Input gradients for gradient checkpointing
+    are switched on by transformers when the Trainer enables checkpointing, so it is not requested here.
+    """
+    prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    keep_cpu_4bit_layers_differentiable(model)
+
+
+def keep_cpu_4bit_layers_differentiable(model: PreTrainedModel) -> None:
+    """Stop bitsandbytes repacking 4-bit weights for its CPU inference kernel during evaluation.
+
+    On CPUs with AVX512-BF16, bitsandbytes 0.50 repacks a Linear4bit's weights the first time it runs in eval
+    mode and keeps using that kernel afterwards, which has no backward: training after the first evaluation
+    would silently get wrong gradients through every quantized layer.
+    """
+    import bitsandbytes as bnb  # only quantized runs pay for the import
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+def is_adapter_folder(name: str | Path) -> bool:
+    """Whether `name` is a local folder holding a peft adapter (a use_peft run or one of its checkpoints)."""
+    return (Path(name).expanduser() / ADAPTER_CONFIG).is_file()
+
+
+def base_model_name(folder: str | Path) -> str:
+    """The base model recorded in an adapter folder's adapter_config.json."""
+    try:
+        name = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
+    except (OSError, ValueError, TypeError) as err:
+        raise SFTError(f"{Path(folder) / ADAPTER_CONFIG} is not a valid peft adapter config: {err}") from None
+    if not name:
+        raise SFTError(f"{Path(folder) / ADAPTER_CONFIG} names no base model; pass --base_model PATH_OR_HUB_ID.")
+    return name
+
+
+def load_trained_adapter(model: PreTrainedModel, folder: str | Path, config: SFTConfig) -> PeftModel:
+    """A saved adapter on its loaded base: trainable (to train on) when use_peft, else frozen (to evaluate)."""
+    if config.use_peft and (config.load_in_4bit or config.load_in_8bit):
+        prepare_quantized_base(model)
+    peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=config.use_peft)
+    log_trainable_parameters(peft_model)
+    return peft_model
+
+
+def log_trainable_parameters(model: PeftModel) -> tuple[int, int]:
+    """Log and return (trainable, total) parameter counts; 4-bit weights count as unpacked parameters."""
+    trainable, total = model.get_nb_trainable_parameters()
+    log.info("Trainable parameters: %s of %s (%.4f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1))
+    return trainable, total
+

@@ -1,0 +1,63 @@
+"""`sft merge`: fold a LoRA adapter into its base model and save a plain transformers model folder."""
+
+import logging
+from pathlib import Path
+
+from sft import rundir
+from sft.errors import SFTError
+from sft.models.adapters import ADAPTER_CONFIG, is_adapter_folder
+from sft.evaluation.generation import check_folder, load_adapter, load_saved_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = "auto", overwrite: bool = False,
+                  base_model: str | None = None) -> Path:
+    """Merge the adapter into its base and save safetensors weights, config, tokenizer and chat template.
+
+    A base the run quantized (QLoRA) is loaded quantized as in training and dequantized to `dtype` before the
+    merge, so the merged model computes what the trained adapter did. The result loads with
+    AutoModelForCausalLM.from_pretrained, without peft.
+
+    Args:
+        adapter_dir: the output_dir (or a checkpoint-N folder) of a use_peft run.
+        output_dir: where to write the merged model; must be empty or absent unless `overwrite`.
+        dtype: weights dtype of the merged model: auto (the base's), bfloat16, float16 or float32.
+        overwrite: replace what output_dir holds.
+        base_model: merge into this base instead of the one named in adapter_config.json.
+    """
+    folder = check_folder(adapter_dir)
+    if not is_adapter_folder(folder):
+        raise SFTError(f"{adapter_dir} has no {ADAPTER_CONFIG}: sft merge takes the output_dir (or a checkpoint-N "
+                       "folder) of a run trained with use_peft: true. Full fine-tunes need no merge.")
+    out = Path(output_dir).expanduser()
+    check_output(out, folder, overwrite)  # before the slow load
+    tokenizer = load_saved_tokenizer(folder)
+    # On the CPU: a merge needs the full-precision weights once, which host memory holds more easily than a GPU.
+    model = load_adapter(folder, tokenizer, dtype, base_model, device="cpu", dequantize=True)
+    merged = model.merge_and_unload()
+    merged.config.use_cache = True  # training switched the KV cache off; the merged model is for inference
+    empty_output(out)
+    merged.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    rundir.claim(out)
+    log.info("Merged %s into %s and saved it to %s", folder, model.peft_config["default"].base_model_name_or_path, out)
+    return out
+
+
+def check_output(out: Path, adapter: Path, overwrite: bool) -> None:
+    """Refuse an output folder that holds files sft did not write, an earlier merge (unless overwrite), a file, or the
+    adapter itself."""
+    if out.resolve() == adapter.resolve() or out.resolve() in adapter.resolve().parents:
+        raise SFTError(f"OUTPUT_DIR {out} contains the adapter {adapter}; choose another folder.")
+    rundir.check_output_dir(out, "OUTPUT_DIR")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise SFTError(f"OUTPUT_DIR {out} already holds a model sft wrote. Choose an empty folder or pass --overwrite "
+                       "to replace it.")
+
+
+def empty_output(out: Path) -> None:
+    """Create `out` empty; what an allowed overwrite replaces (sft's files only) goes once the merged model is ready."""
+    if out.is_dir() and any(out.iterdir()):
+        log.warning("--overwrite: removing the earlier %s from %s", rundir.describe(rundir.clear_run(out)), out)
+    out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,137 @@
+"""Loading the tokenizer and model a recipe names: dtype, attention backend, safe defaults, new tokens."""
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, PretrainedConfig,
+                          PreTrainedModel, PreTrainedTokenizerBase)
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from sft.models.adapters import add_adapter, base_model_name, is_adapter_folder, load_trained_adapter
+from sft.config.arguments import SFTConfig
+from sft.errors import SFTError
+from sft.models.quantization import quantized_loading
+from sft.data.sources import looks_local
+
+log = logging.getLogger(__name__)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EMBEDDING_MULTIPLE = 64  # padded vocab sizes keep matmuls on fast tensor-core shapes
+# More new rows than a chat template's or a user's few added tokens: the tokenizer belongs to another vocabulary.
+FOREIGN_TOKENIZER_ROWS = 256
+
+
+def check_model_reference(name: str | None, key: str = "model_name_or_path") -> str:
+    """`name` as given, or an error when it is unset or a local path that does not exist."""
+    if not name:
+        raise SFTError(f"`{key}` is not set: give a Hub id (e.g. Qwen/Qwen2.5-0.5B) or a local model folder.")
+    if looks_local(name) and not Path(name).expanduser().exists():
+        raise SFTError(f"`{key}`: {name} does not exist. Give an existing folder or a Hub id like org/name.")
+    return str(Path(name).expanduser()) if name.startswith("~") else name
+
+
+def load_tokenizer(config: SFTConfig) -> PreTrainedTokenizerBase:
+    """The recipe's fast tokenizer, with a pad token arranged."""
+    name = check_model_reference(config.tokenizer_name_or_path or config.model_name_or_path,
+                                 "tokenizer_name_or_path" if config.tokenizer_name_or_path else "model_name_or_path")
+    warn_remote_code(config, name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=config.revision, cache_dir=config.cache_dir,
+                                                  trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise SFTError(f"Could not load the tokenizer of {name}: {str(err).splitlines()[0]}") from None
+    if not tokenizer.is_fast:
+        raise SFTError(f"The tokenizer of {name} is not a fast tokenizer; sft needs character offsets to build "
+                       "loss masks. Convert it with `tokenizers` or pick a model that ships tokenizer.json.")
+    if config.chat_template:
+        apply_chat_template(tokenizer, config.chat_template)
+    if tokenizer.pad_token is None and config.pad_token:
+        tokenizer.add_special_tokens({"pad_token": config.pad_token})  # embeddings grow when the model loads
+    if tokenizer.pad_token is None:
+        # Labels are padded with -100 by the collator, never by matching pad ids, so reusing EOS for padding
+        # cannot hide the trained EOS token.
+        tokenizer.pad_token = tokenizer.eos_token
+        log.info("The tokenizer has no pad token; padding with %s (labels are padded with -100).", tokenizer.eos_token)
+    return tokenizer
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str) -> None:
+    """Set the recipe's chat template on the tokenizer (saved with it); presets add their special tokens."""
+    from sft.data.chat_templates import PRESETS, prepare_tokenizer_for_template, resolve_chat_template
+
+    tokenizer.chat_template = resolve_chat_template(chat_template, tokenizer)
+    if chat_template in PRESETS:
+        new_tokens = prepare_tokenizer_for_template(tokenizer, chat_template)
+        if new_tokens:
+            log.info("Added %s for the %s chat template; embeddings grow to fit.", ", ".join(new_tokens), chat_template)
+
+
+def warn_remote_code(config: SFTConfig, name: str) -> None:
+    """Say loudly which repository's code will run when trust_remote_code is on."""
+    if config.trust_remote_code:
+        log.warning("trust_remote_code is on: Python code from %s will run on this machine.", name)
+
+
+def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """The recipe's causal or encoder-decoder LM (dtype or bitsandbytes quantization), embeddings fit to the
+    tokenizer, LoRA if use_peft."""
+    name = check_model_reference(config.model_name_or_path)
+    if not config.deepspeed:
+        # Building any ZeRO-3 TrainingArguments in this process (e.g. validating another recipe) leaves a global
+        # that makes from_pretrained partition weights; a model for a run without DeepSpeed must not inherit it.
+        unset_hf_deepspeed_config()
+    adapter = name if is_adapter_folder(name) else None  # a use_peft run: load its base, then the adapter on it
+    name = base_model_name(adapter) if adapter else name
+    kwargs = dict(revision=config.revision, cache_dir=config.cache_dir, trust_remote_code=config.trust_remote_code,
+                  use_safetensors=None if config.allow_pickle else True, dtype=DTYPES.get(config.dtype, "auto"))
+    if config.attn_implementation:
+        kwargs["attn_implementation"] = config.attn_implementation
+    kwargs.update(quantized_loading(config))
+    auto = AutoModelForSeq2SeqLM if load_model_config(config, name).is_encoder_decoder else AutoModelForCausalLM
+    try:
+        model = auto.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as err:
+        raise SFTError(f"Could not load the model {name}: {str(err).splitlines()[0]}"
+                       + (" (sft loads safetensors only; set allow_pickle: true to load .bin weights you trust)"
+                          if "safetensors" in str(err) else "")) from None
+    model.config.use_cache = False  # a KV cache during training defeats packed-sequence isolation and wastes memory
+    new_ids = fit_embeddings(model, tokenizer)
+    if adapter:
+        return load_trained_adapter(model, adapter, config)
+    if config.use_peft:
+        return add_adapter(model, config, new_ids)
+    return model
+
+
+def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Grow embeddings for added tokens (mean-initialised rows, padded to a multiple of 64); returns new ids."""
+    old_rows = model.get_input_embeddings().num_embeddings  # not weight.shape: (0,) once ZeRO-3 partitions it
+    if len(tokenizer) <= old_rows:
+        return []
+    if len(tokenizer) - old_rows > FOREIGN_TOKENIZER_ROWS:
+        log.warning("THE TOKENIZER DOES NOT FIT THE MODEL: it has %d tokens, the model's embeddings %d rows, so %d new "
+                    "untrained rows are added. tokenizer_name_or_path is probably from another model family; use the "
+                    "model's own tokenizer.", len(tokenizer), old_rows, len(tokenizer) - old_rows)
+    model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=EMBEDDING_MULTIPLE, mean_resizing=True)
+    log.info("Resized embeddings from %d to %d rows for %d new tokens.", old_rows,
+             model.get_input_embeddings().num_embeddings, len(tokenizer) - old_rows)
+    return list(range(old_rows, len(tokenizer)))
+
+
+def load_model_config(config: SFTConfig, name: str | None = None) -> PretrainedConfig:
+    """The recipe's model config (or that of model `name`), read without loading weights."""
+    name = name or check_model_reference(config.model_name_or_path)
+    try:
+        return AutoConfig.from_pretrained(name, revision=config.revision, cache_dir=config.cache_dir,
+                                          trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise SFTError(f"Could not read the config of {name}: {str(err).splitlines()[0]}") from None
+
+
+def is_encoder_decoder(config: SFTConfig) -> bool:
+    """Whether the recipe's model (an adapter folder's base) is an encoder-decoder such as T5 or BART."""
+    name = config.model_name_or_path
+    if name is None:
+        return False  # data prepared with an explicit tokenizer and no model
+    name = base_model_name(name) if is_adapter_folder(name) else check_model_reference(name)
+    return load_model_config(config, name).is_encoder_decoder

@@ -1,0 +1,62 @@
+"""bitsandbytes quantized loading (4-bit NF4/FP4 for QLoRA, 8-bit LLM.int8) from a recipe's keys."""
+
+import torch
+from transformers import BitsAndBytesConfig, PreTrainedModel
+
+from sft.config.arguments import SFTConfig
+from sft.errors import SFTError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def check_quantization(config: SFTConfig) -> None:
+    """Refuse quantization settings that cannot train, before any data or weights load."""
+    if config.load_in_4bit and config.load_in_8bit:
+        raise SFTError("load_in_4bit and load_in_8bit are both true; choose one (4 bit for QLoRA uses less memory).")
+    if (config.load_in_4bit or config.load_in_8bit) and not config.use_peft:
+        bits = 4 if config.load_in_4bit else 8
+        raise SFTError(f"load_in_{bits}bit: quantized weights cannot be trained directly. Set use_peft: true to "
+                       f"train a LoRA adapter on the {bits}-bit base (QLoRA), or drop load_in_{bits}bit.")
+    storage = config.bnb_4bit_quant_storage
+    if storage is not None and storage not in (*DTYPES, "uint8"):
+        raise SFTError(f"bnb_4bit_quant_storage: {storage!r} is not one of uint8, {', '.join(DTYPES)}.")
+
+
+def quantization_config(config: SFTConfig) -> BitsAndBytesConfig | None:
+    """The BitsAndBytesConfig the recipe asks for, or None for an unquantized model."""
+    check_quantization(config)
+    if config.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if not config.load_in_4bit:
+        return None
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=config.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=config.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=compute_dtype(config),
+        bnb_4bit_quant_storage=config.bnb_4bit_quant_storage,
+    )
+
+
+def compute_dtype(config: SFTConfig) -> torch.dtype:
+    """bnb_4bit_compute_dtype, where auto means the recipe's dtype, else its bf16/fp16 training flag, else float32."""
+    if config.bnb_4bit_compute_dtype in DTYPES:
+        return DTYPES[config.bnb_4bit_compute_dtype]
+    if config.dtype in DTYPES:
+        return DTYPES[config.dtype]
+    # bitsandbytes' own default is float32, which makes every 4-bit matmul of a bf16 run needlessly slow
+    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
+
+
+def quantized_loading(config: SFTConfig) -> dict:
+    """from_pretrained keyword arguments for the recipe's quantization ({} when it has none)."""
+    bnb = quantization_config(config)
+    if bnb is None:
+        return {}
+    # bitsandbytes quantizes while placing the weights: put them on this process's device (its own GPU under DDP)
+    return {"quantization_config": bnb, "device_map": {"": config.device}}
+
+
+def is_quantized(model: PreTrainedModel) -> bool:
+    """Whether a quantizer (bitsandbytes, or a pre-quantized checkpoint's) holds the model's weights."""
+    return "quantization_config" in model.config.to_dict()

@@ -1,0 +1,1 @@
+"""sft.planning."""

@@ -1,0 +1,266 @@
+"""One simulated training step of a recipe's architecture, measured by torch's MemTracker under FakeTensorMode.
+
+Nothing is allocated: fake tensors carry shapes and dtypes only, so an 8B or 70B model traces on a laptop in
+seconds. This is the ground truth `sft plan`'s formulas are checked against (`sft plan --trace`, tests/test_plan.py).
+
+What the step does is what `sft train` does on one GPU: the model in the recipe's dtype, LoRA through sft's own
+`add_adapter` (k-bit preparation included), activation checkpointing as the Trainer enables it, bf16 autocast,
+sft's chunked loss where it applies (else the model's own full-logits loss), fused AdamW, two optimizer steps (the
+second has optimizer state, as every step after the first does) of `gradient_accumulation_steps` micro-batches
+(at most two: a third adds nothing new). Every position is trained (the worst case the planner also assumes).
+The eval step is sft's eval forward: per-position token losses one chunk of logits at a time (sft.training.loss).
+
+bitsandbytes 4-bit weights cannot be faked (they quantize while moving to a GPU), so under QLoRA each quantized
+linear layer is a `FakeLinear4bit`: its packed storage and quantization constants have the sizes bitsandbytes
+gives them (checked against real bitsandbytes layers on CPU in tests/test_plan.py), and its forward dequantizes
+the weight to the compute dtype and saves nothing for backward but the packed weight, as bitsandbytes' MatMul4Bit.
+"""
+
+import contextlib
+import types
+import typing
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from sft.config.arguments import SFTConfig
+from sft.training.loss import LinearCrossEntropy, chunk_rows, chunked_token_losses, supports_chunked_loss
+from sft.models.loading import DTYPES
+from sft.models.quantization import compute_dtype
+
+if typing.TYPE_CHECKING:
+    from sft.planning.plan import Plan
+
+QUANT_BLOCK = 64  # bitsandbytes' 4-bit block size: one absmax per 64 weights
+_NO_HOOK = types.SimpleNamespace(remove=lambda: None)
+DOUBLE_QUANT_BLOCK = 256  # double quantization: absmax in uint8, one float32 constant per 256 of them
+
+
+class PeakTracker(MemTracker):
+    """torch's MemTracker keeping only each device's peak.
+
+    MemTracker also updates the peak of every module seen so far on every operator, which makes a trace
+    quadratic in depth (minutes for a 32-layer LoRA model); the device peak is all the planner is checked against.
+    """
+
+    def _update_peak_stats(self, peak_state: object) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+
+@dataclass
+class Trace:
+    """Peak memory of the simulated step, bytes by MemTracker's reference type."""
+
+    peak: int
+    """Total bytes live at the peak."""
+    by_kind: dict[str, int]
+    """Parameter, Gradient, Activation, Optstate, Temp, ... bytes at the peak."""
+
+
+def quantized_bytes(numel: int, double_quant: bool) -> int:
+    """Bytes bitsandbytes keeps for a 4-bit weight of `numel` elements: packed nibbles, one absmax per block (uint8
+    under double quantization, with float32 constants per 256 blocks and its 256-entry code), the 16-value code."""
+    blocks = -(-numel // QUANT_BLOCK)
+    if not double_quant:
+        return numel // 2 + 4 * blocks + 4 * 16
+    return numel // 2 + blocks + 4 * 16 + 4 * -(-blocks // DOUBLE_QUANT_BLOCK) + 4 * 256
+
+
+class _MatMul4bit(torch.autograd.Function):
+    """x @ dequant(W).T keeping only the packed weight for backward (bitsandbytes' MatMul4Bit)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, packed: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(packed)
+        ctx.shape, ctx.dtype = shape, dtype
+        return x.to(dtype) @ _dequantize(packed, shape, dtype).T
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        (packed,) = ctx.saved_tensors
+        return grad @ _dequantize(packed, ctx.shape, ctx.dtype), None, None, None
+
+
+def _dequantize(packed: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A compute-dtype weight of `shape` made from the packed storage (values do not matter under fake tensors)."""
+    return packed[: shape[0] * shape[1] // 2].to(dtype).repeat(2).view(shape)
+
+
+class FakeLinear4bit(nn.Linear):
+    """A frozen linear layer holding bitsandbytes-sized 4-bit storage instead of its float weight."""
+
+    def __init__(self, linear: nn.Linear, double_quant: bool, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.compute_dtype = linear.in_features, linear.out_features, dtype
+        size = quantized_bytes(linear.weight.numel(), double_quant)
+        self.weight = nn.Parameter(torch.empty(size, dtype=torch.uint8), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _MatMul4bit.apply(x, self.weight, (self.out_features, self.in_features), self.compute_dtype)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+def quantize_layers(model: nn.Module, config: SFTConfig) -> None:
+    """Replace the linear layers bitsandbytes would quantize (all but the output head) by FakeLinear4bit."""
+    head = model.get_output_embeddings()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child is not head:
+                setattr(parent, name, FakeLinear4bit(child, config.bnb_4bit_use_double_quant, compute_dtype(config)))
+
+
+def build_model(config: SFTConfig, model_config: PretrainedConfig, device: str) -> nn.Module:
+    """The recipe's model (random weights on `device`) prepared as `sft train` prepares it on one GPU."""
+    from sft.models.adapters import add_adapter
+
+    model_config = model_config.__class__.from_dict({**model_config.to_dict(), "use_cache": False})
+    model_config._attn_implementation = config.attn_implementation or "sdpa"
+    dtype = DTYPES.get(config.dtype, torch.bfloat16 if config.bf16 else torch.float32)
+    if config.load_in_8bit:
+        raise ValueError("memtrace cannot simulate 8-bit (LLM.int8) layers")
+    unset_hf_deepspeed_config()  # loading a ZeRO-3 recipe sets a global that would partition this model
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+        if config.load_in_4bit:
+            quantize_layers(model, config)
+        if config.use_peft:
+            model = add_adapter(model, config)
+    if config.activation_checkpointing or config.gradient_checkpointing:
+        model.activation_checkpointing_enable(config.activation_checkpointing_kwargs
+                                              or config.gradient_checkpointing_kwargs)
+        if config.use_peft:
+            model.enable_input_require_grads()
+    return model.train()
+
+
+def materialize(model: nn.Module) -> None:
+    """Meta parameters and buffers replaced by fake tensors of the same shape (call inside FakeTensorMode).
+
+    The model is built on the meta device because peft and k-bit preparation move and cast tensors with
+    Module.to, which cannot swap fake parameters in place.
+    """
+    made: dict[int, torch.Tensor] = {}  # tied weights (embeddings = head) stay one tensor
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in made:
+            new = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            made[id(tensor)] = nn.Parameter(new, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
+        return made[id(tensor)]
+
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is not None:
+                    store[name] = fake(tensor)
+
+
+def chunked_applies(model: nn.Module, config: SFTConfig) -> bool:
+    """Whether SFTTrainer attaches the chunked loss to this model (sft.training.loss.attach_chunked_loss), under any preset."""
+    return config.chunked_loss and supports_chunked_loss(_base(model))
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def trained_rows(hidden: torch.Tensor) -> torch.Tensor:
+    """chunked_forward's `hidden[:, :-1][keep]` with every position trained. The boolean mask gives a
+    data-dependent shape fake tensors cannot follow; this slice is the same rows, copied as the mask copies them."""
+    return hidden[:, :-1].clone(memory_format=torch.contiguous_format).flatten(0, 1)
+
+
+def loss_of(model: nn.Module, config: SFTConfig, ids: torch.Tensor) -> torch.Tensor:
+    """The training loss as SFTTrainer computes it (chunked loss where it applies), every position trained."""
+    if not chunked_applies(model, config):
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+    base = _base(model)
+    hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+    weight = base.get_output_embeddings().weight
+    return LinearCrossEntropy.apply(trained_rows(hidden), weight, ids[:, 1:].reshape(-1),
+                                    torch.tensor(float(ids.numel())), chunk_rows(weight.shape[0]))
+
+
+def trace_step(config: SFTConfig, model_config: PretrainedConfig, fake: bool = True, evaluate: bool = False) -> Trace:
+    """Peak memory of two optimizer steps of the recipe's training on one device (fake tensors unless `fake`), or
+    with `evaluate` of one eval batch (no optimizer)."""
+    torch.manual_seed(0)
+    model = build_model(config, model_config, "meta" if fake else "cpu")
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        if fake:
+            materialize(model)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
+        tracker = PeakTracker()
+        tracker.track_external(model, optimizer)
+        for param in model.parameters():
+            if not param.requires_grad:  # MemTracker hooks every parameter's gradient, which frozen ones refuse
+                tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        with tracker:
+            if evaluate:
+                eval_step(model, config, model_config.vocab_size, "cpu")
+            else:
+                train_steps(model, optimizer, config, model_config.vocab_size, "cpu", tracker.reset_mod_stats)
+        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    by_kind = {str(getattr(k, "value", k)): v for k, v in snapshot.items() if k != "Total"}
+    return Trace(peak=snapshot["Total"], by_kind=by_kind)
+
+
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, config: SFTConfig, vocab_size: int, device: str,
+                before_forward: typing.Callable[[], None] = lambda: None) -> None:
+    """Two optimizer steps of `gradient_accumulation_steps` (at most 2) micro-batches of random tokens."""
+    shape = (config.per_device_train_batch_size, config.max_length)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16))
+    for _ in range(2):
+        for _ in range(min(config.gradient_accumulation_steps, 2)):
+            before_forward()  # MemTracker's per-module stats allow one forward each; the peak is kept
+            ids = torch.randint(0, vocab_size, shape, device=device)
+            with autocast:
+                loss = loss_of(model, config, ids)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def eval_step(model: nn.Module, config: SFTConfig, vocab_size: int, device: str) -> None:
+    """One eval batch as SFTTrainer evaluates it: chunked_forward's no-grad branch (per-position token losses from
+    one chunk of logits at a time) where the chunked loss applies, else the model's own full-logits loss and
+    SFTMixin's token-loss pass over those logits."""
+    from sft.training.trainer import token_cross_entropy
+
+    model.eval()
+    ids = torch.randint(0, vocab_size, (config.per_device_eval_batch_size, config.max_length), device=device)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16)):
+        if not chunked_applies(model, config):
+            outputs = model(input_ids=ids, labels=ids, use_cache=False)
+            token_cross_entropy(outputs.logits, ids, shifted=True)  # SFTMixin._add_eval_tokens
+            return
+        base = _base(model)
+        hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        weight = base.get_output_embeddings().weight
+        targets = ids[:, 1:]
+        token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=device)
+        token_losses.view(-1)[:] = chunked_token_losses(trained_rows(hidden), weight, targets.reshape(-1),
+                                                         chunk_rows(weight.shape[0]))
+
+
+def trace_note(config: SFTConfig, plan: "Plan") -> str:
+    """One line comparing the planned training peak with the simulated step's (one GPU, nothing sharded)."""
+    from sft.models.architectures import model_architecture
+    from sft.planning.plan import GIB
+
+    if plan.setup.preset not in ("single", "ddp"):
+        return "trace: skipped (the simulated step runs on one unsharded GPU; this recipe shards)"
+    if config.load_in_8bit:
+        return "trace: skipped (8-bit LLM.int8 layers cannot be simulated)"
+    traced = trace_step(config, model_architecture(config.model_name_or_path, config.revision)).peak / GIB
+    planned = plan.breakdown["training peak"] - (plan.breakdown["gradients"] if plan.setup.preset == "ddp" else 0)
+    return (f"trace: simulated step peak {traced:.2f} GiB (MemTracker, fake tensors) vs planned {planned:.2f} GiB "
+            f"({100 * (planned / traced - 1):+.1f}%)")

@@ -1,0 +1,235 @@
+"""train(): what `sft train` does — validate, tokenize, load, fit, save everything a run promises."""
+
+import json
+import math
+import logging
+from pathlib import Path
+
+import datasets
+import transformers
+from transformers.trainer_utils import get_last_checkpoint
+
+from sft import rundir
+from sft.config.arguments import SFTConfig
+from sft.data.build import prepare_splits
+from sft.training.presets import prepare_final_save
+from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
+from sft.data.formats import CHAT_FORMATS
+from sft.evaluation.metrics import resolve_metrics
+from sft.models.loading import load_model, load_model_config, load_tokenizer
+from sft.data.packing import check_packing_supported, pack_dataset, pack_dataset_with_stats
+from sft.evaluation.predict import answer_offsets
+from sft.models.quantization import check_quantization
+from sft.training.recipe import save_recipe
+from sft.training.report import plot_loss, write_model_card
+from sft.data.stats import DataStats, compute_stats
+from sft.training.trainer import SFTMixin, trainer_class
+
+log = logging.getLogger(__name__)
+EVAL_FILES = ("eval_results.json", "predictions.jsonl")  # what `sft eval` writes
+
+
+def train(config: SFTConfig) -> Path:
+    """Run a recipe end to end and return its output directory.
+
+    Args:
+        config: the validated recipe (see load_recipe).
+    """
+    resume = resume_setting(config.resume_from_checkpoint)
+    check_before_loading(config, resume)
+    tokenizer = load_tokenizer(config)
+    with config.main_process_first(desc="tokenizing"):  # the main process tokenizes; the others load its cache
+        train_data, eval_data = prepare_splits(config, tokenizer)  # data errors surface before the model loads
+    log.info("Data formats: %s", "; ".join(map(str, train_data.sources)))
+    hint_unproven_template([s.format for s in train_data.sources], tokenizer)
+    stats = compute_stats(train_data.dataset, config.max_length, train_data.dropped_rows, train_data.truncated_rows)
+    train_set, eval_set = apply_packing(config, train_data.dataset, eval_data.dataset if eval_data else None, stats)
+    log.info("\n%s", stats.table("Training data"))
+    transformers.set_seed(config.seed)  # new embedding rows are sampled: make them reproducible
+    model = load_model(config, tokenizer)
+    trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer, train_dataset=train_set,
+                                   eval_dataset=eval_set)
+    if eval_data is not None and config.predict_with_generate:
+        trainer.answer_offsets = answer_offsets(eval_data.dataset)  # the packed eval set no longer carries them
+    output_dir = prepare_output_dir(config, resume, trainer)
+    result = trainer.train(resume_from_checkpoint=resume)
+    if trainer.is_world_process_zero():
+        rundir.claim(output_dir)  # checkpoints so far are sft's, however the run ends
+    if trainer.divergence.bad is not None:
+        raise TrainingDiverged(trainer.divergence.message(config))
+    if trainer.interrupted:
+        raise TrainingInterrupted(
+            f"Stopped by {trainer.stop_on_signal.signal_name} at step {trainer.state.global_step}; checkpoint saved in "
+            f"{output_dir}. Resume with the same command plus --resume_from_checkpoint true.",
+            trainer.stop_on_signal.exit_code)
+    save_run(trainer, config, stats, result.metrics, has_eval=eval_data is not None,
+             formats="; ".join(map(str, train_data.sources)))
+    if trainer.is_world_process_zero():
+        rundir.claim(output_dir)
+    return output_dir
+
+
+def hint_unproven_template(formats: list[str], tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    """One line suggesting `sft check --prove` for a chat template that has not passed it on this machine."""
+    from sft.check.prove import unproven_template_hint  # deferred: sft.check.prove builds on this module
+
+    hint = unproven_template_hint(tokenizer.chat_template) if set(formats) & set(CHAT_FORMATS) else None
+    if hint:
+        log.info(hint)
+
+
+def apply_packing(config: SFTConfig, train_set: datasets.Dataset, eval_set: datasets.Dataset | None,
+                  stats: DataStats) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """Pack train (and eval, per eval_packing) data after checking the model keeps packed examples apart."""
+    eval_packing = config.packing if config.eval_packing is None else config.eval_packing
+    if not (config.packing or eval_packing or config.padding_free):
+        return train_set, eval_set
+    check_packing_model(config)
+    if config.packing:
+        train_set, packed = pack_dataset_with_stats(train_set, config.max_length, config.packing_strategy, config.seed)
+        stats.packed_rows, stats.packing_efficiency = packed.packed_rows, packed.packing_efficiency
+    if eval_set is not None and eval_packing:
+        eval_set = pack_dataset(eval_set, config.max_length, config.packing_strategy, config.seed)
+    return train_set, eval_set
+
+
+def check_packing_model(config: SFTConfig) -> None:
+    """Refuse packing / padding-free batches for models or attention backends that would mix examples."""
+    model_config = load_model_config(config)
+    if model_config.is_encoder_decoder:
+        raise SFTError(f"packing and padding_free need a decoder-only model; {model_config.model_type} is an "
+                       "encoder-decoder. Set packing: false and padding_free: false.")
+    try:
+        check_packing_supported(model_config, config.attn_implementation, flattened=config.padding_free)
+    except ValueError as err:
+        raise SFTError(str(err)) from None
+
+
+def resume_setting(value: str | bool | None) -> str | bool | None:
+    """`resume_from_checkpoint` as the Trainer takes it: True for the latest checkpoint, or a path."""
+    if isinstance(value, str) and value.lower() in ("true", "false", "none", ""):
+        return value.lower() == "true" or None
+    return value
+
+
+def check_before_loading(config: SFTConfig, resume: str | bool | None) -> None:
+    """Fail fast on what needs no data or model: GPU-only flags, max_length, the output folder, the resume target."""
+    problems = config.hardware_problems()
+    if problems:
+        raise SFTError(problems[0])
+    check_quantization(config)
+    if config.predict_with_generate:
+        resolve_metrics(config.metrics)  # a misspelt metric fails now, not after the model has loaded
+    check_max_length(config)
+    out = Path(config.output_dir)
+    rundir.check_output_dir(out)
+    check_resume(out, resume)
+    if rundir.is_run(out) and not resume and not config.overwrite_output_dir:
+        raise SFTError(f"output_dir {out} already holds an sft run. Pass --resume_from_checkpoint true to continue "
+                       "it, --overwrite_output_dir true to replace it (only files sft wrote are removed), or choose "
+                       "another output_dir.")
+
+
+def check_resume(out: Path, resume: str | bool | None) -> None:
+    """The checkpoint a resume asks for exists: a given path, or (true) a checkpoint-N folder in output_dir."""
+    if isinstance(resume, str) and not Path(resume).expanduser().is_dir():
+        raise SFTError(f"resume_from_checkpoint: {resume} does not exist. Give a checkpoint-N folder of a run, or "
+                       "true for the newest checkpoint in output_dir.")
+    if resume is True and (not out.is_dir() or get_last_checkpoint(str(out)) is None):
+        raise SFTError(f"resume_from_checkpoint is true but output_dir {out} holds no checkpoint-N folder. Train "
+                       "without --resume_from_checkpoint, or point it at a checkpoint folder.")
+
+
+def check_max_length(config: SFTConfig) -> None:
+    """max_length beyond the model's positions: refused when the recipe sets it (a warning when the model scales
+    RoPE); the default max_length is lowered to the model's positions instead."""
+    if config.model_name_or_path is None:
+        return
+    model_config = load_model_config(config)
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or config.max_length <= positions:
+        return
+    if "max_length" not in config.recipe_keys:
+        log.info("max_length: using the model's %d positions (the default %d is longer).", positions, config.max_length)
+        config.max_length = positions
+        return
+    rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":  # linear, dynamic, yarn, llama3 ... stretch
+        log.warning("max_length=%d is beyond the model's %d positions; relying on its RoPE scaling (%s).",
+                    config.max_length, positions, rope.get("rope_type", rope.get("type")))
+        return
+    raise SFTError(f"max_length={config.max_length} is beyond the {positions} positions the model "
+                   f"{config.model_name_or_path} has (max_position_embeddings). Set max_length: {positions} or less.")
+
+
+def prepare_output_dir(config: SFTConfig, resume: str | bool | None, trainer: SFTMixin) -> Path:
+    """Create output_dir and mark it as sft's; with overwrite_output_dir (and no resume) the main process removes
+    the earlier run's files, and only those (check_before_loading refused folders with anything else)."""
+    out = Path(config.output_dir)
+    if trainer.is_world_process_zero() and out.is_dir() and config.overwrite_output_dir and not resume:
+        removed = rundir.clear_run(out)
+        if removed:
+            log.warning("overwrite_output_dir: removed the earlier run's %s from %s", rundir.describe(removed), out)
+    trainer.accelerator.wait_for_everyone()  # no rank writes before the old run is gone
+    out.mkdir(parents=True, exist_ok=True)
+    if trainer.is_world_process_zero():
+        rundir.claim(out)
+    return out
+
+
+def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: dict, has_eval: bool,
+             formats: str) -> None:
+    """Model, tokenizer, results, state, recipe, data stats, loss plot and model card."""
+    out = Path(config.output_dir)
+    prepare_final_save(trainer)
+    trainer.save_model(str(out))
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    if has_eval:
+        eval_metrics = trainer.evaluate()
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)
+        metrics = {**metrics, **eval_metrics}
+    trainer.save_state()
+    if not trainer.is_world_process_zero():
+        return
+    save_recipe(config, out / "recipe.yaml")
+    (out / "data_stats.json").write_text(json.dumps(stats.as_dict(), indent=2) + "\n")
+    plot_loss(trainer.state.log_history, out / "loss.png")
+    write_model_card(config, metrics, stats.as_dict(), out / "README.md", formats)
+
+
+def evaluate(config: SFTConfig) -> dict[str, float]:
+    """Teacher-forced loss and perplexity on the recipe's eval set, plus generation metrics and predictions.jsonl
+    with predict_with_generate; writes eval_results.json to output_dir, replacing an earlier one only when asked."""
+    out = Path(config.output_dir)
+    check_eval_output(out, config.overwrite_output_dir)
+    check_max_length(config)
+    tokenizer = load_tokenizer(config)
+    with config.main_process_first(desc="tokenizing"):
+        _, eval_data = prepare_splits(config, tokenizer)
+    if eval_data is None:
+        raise SFTError("sft eval needs an eval set: set `eval_dataset`, or `eval_split_size` to hold out rows.")
+    model = load_model(config, tokenizer)
+    trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer,
+                                   eval_dataset=eval_data.dataset)
+    metrics = trainer.evaluate()
+    metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
+    out.mkdir(parents=True, exist_ok=True)
+    trainer.save_metrics("eval", metrics, combined=False)
+    if trainer.is_world_process_zero():
+        rundir.claim(out, list(EVAL_FILES))
+    return metrics
+
+
+def check_eval_output(out: Path, overwrite: bool) -> None:
+    """sft eval writes beside a run (or anywhere new); it replaces its own earlier results only with overwrite."""
+    rundir.check_writable(out)
+    present = [name for name in EVAL_FILES if (out / name).exists()]
+    foreign = [name for name in present if name in rundir.foreign_entries(out)]
+    if foreign:
+        raise SFTError(f"output_dir {out} holds {', '.join(foreign)}, which sft did not write. Choose another "
+                       "output_dir for the eval results.")
+    if present and not overwrite:
+        raise SFTError(f"output_dir {out} already holds {', '.join(present)}. Pass --overwrite_output_dir true to "
+                       "replace them (nothing else is touched), or --output_dir NEW_DIR to keep them.")

@@ -1,0 +1,173 @@
+"""Causal-LM loss that never materialises full-vocabulary logits for the whole batch.
+
+The LM head dominates SFT compute and memory on small and mid-size models (a 32k vocabulary x 4k tokens of fp32
+logits is 512 MB, plus its gradient). Here the head runs only at positions whose next token is trained, in chunks,
+and each chunk's gradients are computed in the forward pass (as fused linear-cross-entropy kernels do), so peak
+memory holds one chunk of logits and the head costs exactly its three matmuls, with no recomputation.
+"""
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.utils import ModelOutput
+
+from sft.data.encode import IGNORE_INDEX
+
+MIN_CHUNK_ROWS = 128  # below this the head matmuls get inefficient
+CHUNK_ELEMENTS = 1 << 23  # logits per chunk (32 MB in fp32): a few rows for big vocabularies, more for small ones
+# Architectures whose logits are exactly lm_head(decoder(x)): no soft-capping or scaling after the head.
+PLAIN_HEAD_MODELS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma",
+                     "olmo", "olmo2", "starcoder2"}
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum(cross_entropy(hidden @ weight.T, targets)) / normalizer, with gradients computed chunk by chunk.
+
+    With label smoothing eps each token's loss is (1 - eps) * nll + eps * mean over the vocabulary of -log p, the
+    formula of transformers' LabelSmoother.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, normalizer: torch.Tensor,
+                chunk: int, smoothing: float = 0.0) -> torch.Tensor:
+        need_weight_grad = weight.requires_grad
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h, t = hidden[start:start + chunk], targets[start:start + chunk]
+            rows = torch.arange(t.shape[0], device=t.device)
+            logits = (h @ weight.T).float()
+            target_logit = logits[rows, t]
+            mean_logit = logits.mean(dim=-1) if smoothing else None
+            # One exp pass, in place: logits become softmax probabilities = d(loss)/d(logits) + onehot.
+            peak = logits.amax(dim=-1, keepdim=True)
+            probs = logits.sub_(peak).exp_()
+            sums = probs.sum(dim=-1, keepdim=True)
+            log_norm = peak.squeeze(1) + sums.squeeze(1).log()
+            total += (log_norm - target_logit).sum() * (1 - smoothing)
+            if smoothing:  # mean over the vocabulary of -log p = log_norm - mean logit
+                total += (log_norm - mean_logit).sum() * smoothing
+            grad_logits = probs.div_(sums)
+            grad_logits[rows, t] -= 1.0 - smoothing
+            if smoothing:
+                grad_logits -= smoothing / weight.shape[0]
+            grad_logits = grad_logits.to(weight.dtype)
+            grad_hidden[start:start + chunk] = grad_logits @ weight
+            if need_weight_grad:
+                grad_weight += (grad_logits.T @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight if need_weight_grad else torch.empty(0), normalizer)
+        ctx.need_weight_grad = need_weight_grad
+        return total / normalizer
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        grad_hidden, grad_weight, normalizer = ctx.saved_tensors
+        scale = grad_output / normalizer
+        weight_grad = (grad_weight * scale).to(grad_hidden.dtype) if ctx.need_weight_grad else None
+        return grad_hidden * scale.to(grad_hidden.dtype), weight_grad, None, None, None, None
+
+
+def chunk_rows(vocab_size: int) -> int:
+    """Rows of logits per chunk for a vocabulary (the planner and the simulated step use the same rule)."""
+    return max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // vocab_size)
+
+
+def supports_chunked_loss(model: nn.Module) -> bool:
+    """Whether `model` is a causal LM whose logits are a plain linear head over its decoder's output."""
+    if not isinstance(model, PreTrainedModel):  # SFTTrainer also takes plain nn.Modules, as Trainer does
+        return False
+    config = model.config
+    head = model.get_output_embeddings()
+    router_loss = getattr(config, "output_router_logits", False)  # MoE aux loss is added after the head
+    return (not config.is_encoder_decoder and config.model_type in PLAIN_HEAD_MODELS and not router_loss
+            and type(head) is nn.Linear and head.bias is None)
+
+
+@dataclass
+class TrainedTokensOutput(ModelOutput):
+    """What the chunked forward returns: the loss, and in eval each position's token loss (0 where untrained)."""
+
+    loss: torch.Tensor | None = None
+    token_losses: torch.Tensor | None = None
+
+
+def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0) -> bool:
+    """Make the causal LM inside `model` (a PEFT model's base too) compute its loss with labels chunk-wise in its
+    own forward; returns whether it applies.
+
+    The forward is replaced on the instance, so every wrapper that calls the model (DDP, FSDP2, DeepSpeed, PEFT,
+    accelerate's autocast, torch.compile) runs it: parameters are gathered and gradients synchronised as for any
+    forward. Without labels (generate) the model's own forward runs unchanged.
+    """
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not supports_chunked_loss(lm):
+        return False
+    if getattr(lm.forward, "chunked_loss", False):
+        return True
+    original = lm.forward
+
+    @functools.wraps(original)  # keeps the signature: the Trainer reads it to keep dataset columns
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return chunked_forward(lm, *args, original=original, smoothing=label_smoothing, **kwargs)
+
+    forward.chunked_loss = True
+    lm.forward = forward
+    if is_deepspeed_zero3_enabled():
+        import deepspeed
+
+        # The head's weight is read here, not through lm_head's forward: ZeRO-3 gathers it for this module.
+        deepspeed.zero.register_external_parameter(lm, lm.get_output_embeddings().weight)
+    return True
+
+
+def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: float,
+                    labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
+                    full_logits: bool = False, **kwargs: Any) -> Any:
+    """The model's forward; with labels, the decoder plus the head at trained positions only (see module doc).
+
+    `full_logits=True` (predictions wanted, e.g. Trainer.predict) runs the model's own forward.
+    """
+    if labels is None or full_logits:
+        if num_items_in_batch is not None:
+            kwargs["num_items_in_batch"] = num_items_in_batch
+        return original(*args, labels=labels, **kwargs)
+    for key in ("logits_to_keep", "return_dict", "use_cache"):
+        kwargs.pop(key, None)
+    hidden = self.get_decoder()(*args, use_cache=False, **kwargs).last_hidden_state
+    targets = labels[:, 1:]
+    keep = targets != IGNORE_INDEX
+    weight = self.get_output_embeddings().weight
+    chunk = chunk_rows(weight.shape[0])
+    normalizer = keep.sum() if num_items_in_batch is None else num_items_in_batch
+    normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
+    if torch.is_grad_enabled():
+        loss = LinearCrossEntropy.apply(hidden[:, :-1][keep], weight, targets[keep], normalizer, chunk, smoothing)
+        return TrainedTokensOutput(loss=loss)
+    token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+    token_losses[keep] = chunked_token_losses(hidden[:, :-1][keep], weight, targets[keep], chunk)
+    return TrainedTokensOutput(loss=token_losses.sum() / normalizer, token_losses=token_losses)
+
+
+@torch.no_grad()
+def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Each row's cross entropy (fp32), one chunk of logits at a time: eval never holds full-vocabulary logits."""
+    out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        logits = (hidden[start:start + chunk] @ weight.T).float()
+        out[start:start + chunk] = F.cross_entropy(logits, targets[start:start + chunk], reduction="none")
+    return out
+
+
+def reference_causal_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Tensor | int) -> torch.Tensor:
+    """The plain formula the chunked loss must equal: summed shifted cross entropy / normalizer."""
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    return loss / normalizer

@@ -1,0 +1,213 @@
+"""Distributed presets: the recipe key `distributed` filled into TrainingArguments' fsdp/fsdp_config/deepspeed.
+
+Presets are defaults: whatever the recipe sets itself (fsdp_config keys, a deepspeed file, checkpointing kwargs)
+wins. The preset files live in recipes/accelerate (launcher configs) and recipes/deepspeed (ZeRO configs whose
+"auto" values the Trainer fills from the recipe).
+"""
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from transformers import (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, PretrainedConfig,
+                          Trainer)
+
+from sft.models.adapters import base_model_name, is_adapter_folder
+from sft.models.architectures import model_architecture
+from sft.training.catalog import shipped
+from sft.errors import SFTError
+
+log = logging.getLogger(__name__)
+RECIPES = shipped("recipes")
+PRESETS = ("ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload")
+ACCELERATE_CONFIGS = {name: RECIPES / "accelerate" / f"{name}.yaml" for name in PRESETS}
+DEEPSPEED_CONFIGS = {name: RECIPES / "deepspeed" / f"{name}.json" for name in ("zero2", "zero3", "zero3_offload")}
+
+# The block FSDP shards and checkpoints as one unit, by model_type; other models use their _no_split_modules.
+WRAP_CLASSES = {
+    "llama": ["LlamaDecoderLayer"],
+    "mistral": ["MistralDecoderLayer"],
+    "mixtral": ["MixtralDecoderLayer"],
+    "qwen2": ["Qwen2DecoderLayer"],
+    "qwen3": ["Qwen3DecoderLayer"],
+    "gemma": ["GemmaDecoderLayer"],
+    "gemma2": ["Gemma2DecoderLayer"],
+    "phi3": ["Phi3DecoderLayer"],
+    "gpt_neox": ["GPTNeoXLayer"],
+    "gpt2": ["GPT2Block"],
+    "t5": ["T5Block"],
+    "bart": ["BartEncoderLayer", "BartDecoderLayer"],
+}
+# FSDP2, one unit per layer. Checkpoints are sharded (each rank writes its shard: fast, resumable); the final
+# model is saved whole by prepare_final_save. RAM-efficient loading (rank 0 reads the weights, then broadcasts)
+# stays off by default: it is the fragile path in transformers/accelerate and only pays off for 30B+ models.
+FSDP_PRESETS = {
+    "fsdp": {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True,
+             "state_dict_type": "SHARDED_STATE_DICT", "cpu_ram_efficient_loading": False},
+}
+FSDP_PRESETS["fsdp_offload"] = {**FSDP_PRESETS["fsdp"], "cpu_offload": True}
+# transformers 4 / Stanford Alpaca `--fsdp "full_shard auto_wrap"` words as FSDP2 fsdp_config keys.
+LEGACY_FSDP_OPTIONS = {"full_shard": {"reshard_after_forward": True}, "shard_grad_op": {"reshard_after_forward": False},
+                       "offload": {"cpu_offload": True}, "auto_wrap": {}}
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def apply_distributed(values: dict) -> dict:
+    """Recipe values with the `distributed` preset (and Alpaca-style fsdp strings) as TrainingArguments settings.
+
+    Args:
+        values: validated recipe values, before SFTConfig is built; they are not modified.
+    """
+    values = {**values, **legacy_fsdp(values)}
+    preset = values.get("distributed")
+    if preset in FSDP_PRESETS:
+        values.update(fsdp_settings(values, preset))
+    elif preset in DEEPSPEED_CONFIGS and values.get("deepspeed") is None:
+        values["deepspeed"] = str(DEEPSPEED_CONFIGS[preset])
+    check_combinations(values)
+    values.update(peft_zero3_settings(values))
+    return values
+
+
+def legacy_fsdp(values: dict) -> dict:
+    """`fsdp: "full_shard auto_wrap"` (Stanford Alpaca, transformers 4) as fsdp=True plus fsdp_config keys.
+
+    transformers 5 deprecates these strings; translating them here keeps old command lines working after removal.
+    """
+    fsdp = values.get("fsdp")
+    if not isinstance(fsdp, str):
+        return {}
+    words = fsdp.lower().split()
+    if words in ([], ["false"], ["none"]):
+        return {"fsdp": None}
+    if words == ["true"]:
+        return {"fsdp": True}
+    user = fsdp_config_dict(values.get("fsdp_config"))
+    if int(user.get("version", 2)) == 1:
+        return {}  # FSDP1 (deprecated) has more options; transformers translates them itself
+    unknown = [word for word in words if word not in LEGACY_FSDP_OPTIONS]
+    if unknown:
+        raise SFTError(f"fsdp: unknown option {unknown[0]!r}. Use full_shard, shard_grad_op, offload and auto_wrap, "
+                       "or `distributed: fsdp` (see docs/distributed.md).")
+    implied = {key: value for word in words for key, value in LEGACY_FSDP_OPTIONS[word].items()}
+    return {"fsdp": True, "fsdp_config": {**implied, **user}}
+
+
+def fsdp_config_dict(value: dict | str | None) -> dict:
+    """The recipe's fsdp_config as a dict (a JSON path is read), keys without the accelerate-style fsdp_ prefix."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(Path(value).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise SFTError(f"fsdp_config: could not read {value} as JSON ({err}).") from None
+    return {key.removeprefix("fsdp_"): item for key, item in (value or {}).items()}
+
+
+def fsdp_settings(values: dict, preset: str) -> dict:
+    """fsdp, fsdp_config (preset under the recipe's own keys) and the checkpointing/4-bit settings FSDP needs."""
+    user = fsdp_config_dict(values.get("fsdp_config"))
+    config = dict(FSDP_PRESETS[preset])
+    if "transformer_layer_cls_to_wrap" not in user:
+        wrap = wrap_classes(values)
+        if wrap:
+            config["transformer_layer_cls_to_wrap"] = wrap
+    out: dict[str, Any] = {"fsdp": values.get("fsdp") or True}
+    wants_checkpointing = values.get("activation_checkpointing") or values.get("gradient_checkpointing")
+    if wants_checkpointing and user.get("activation_checkpointing") is not False:
+        # FSDP's own checkpointing: the Trainer's would all-gather every layer twice (transformers#30404), and the
+        # Trainer refuses both at once.
+        config["activation_checkpointing"] = True
+        out["activation_checkpointing"] = False
+    out["fsdp_config"] = {**config, **user}
+    if values.get("load_in_4bit") and values.get("bnb_4bit_quant_storage") is None:
+        # FSDP-QLoRA: FSDP flattens the packed 4-bit weights with the float ones, so they must share a dtype.
+        out["bnb_4bit_quant_storage"] = compute_dtype_name(values)
+    return out
+
+
+def compute_dtype_name(values: dict) -> str:
+    """The 4-bit compute dtype as sft.models.quantization.compute_dtype resolves it, as a name."""
+    for name in (values.get("bnb_4bit_compute_dtype"), values.get("dtype")):
+        if name in DTYPE_NAMES:
+            return name
+    return "bfloat16" if values.get("bf16") else "float16" if values.get("fp16") else "float32"
+
+
+def wrap_classes(values: dict) -> list[str] | None:
+    """The layer classes FSDP wraps for the recipe's model, from its config (no weights are read)."""
+    name = values.get("model_name_or_path")
+    if not name:
+        return None
+    if is_adapter_folder(name):
+        name = base_model_name(name)
+    try:
+        config = model_architecture(name, values.get("revision"), values.get("cache_dir"),
+                                    values.get("trust_remote_code", False))
+    except SFTError as err:
+        # accelerate falls back to the model's _no_split_modules when it wraps, which is what we would pick too
+        log.warning("%s FSDP will wrap the model's _no_split_modules.", err)
+        return None
+    return WRAP_CLASSES.get(config.model_type) or no_split_modules(config)
+
+
+def no_split_modules(config: PretrainedConfig) -> list[str] | None:
+    """`_no_split_modules` of the transformers class for this config (None for remote-code or unknown models)."""
+    mapping = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING if config.is_encoder_decoder else MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        model_class = mapping[type(config)]
+    except KeyError:
+        return None
+    return list(model_class._no_split_modules or []) or None
+
+
+def zero_stage(deepspeed: dict | str | None) -> int | None:
+    """The ZeRO stage of a DeepSpeed config (dict or JSON path); None when unset or unreadable."""
+    if isinstance(deepspeed, str):
+        try:
+            deepspeed = json.loads(Path(deepspeed).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None  # TrainingArguments reports a missing or malformed file
+    if not isinstance(deepspeed, dict):
+        return None
+    return deepspeed.get("zero_optimization", {}).get("stage")
+
+
+def check_combinations(values: dict) -> None:
+    """Refuse sharding setups that cannot work, before any data or weights load."""
+    fsdp, stage = bool(values.get("fsdp")), zero_stage(values.get("deepspeed"))
+    if fsdp and values.get("deepspeed"):
+        raise SFTError("Both FSDP (fsdp / distributed: fsdp) and DeepSpeed (deepspeed / distributed: zero*) are set; "
+                       "choose one.")
+    if stage == 3 and (values.get("load_in_4bit") or values.get("load_in_8bit")):
+        raise SFTError("QLoRA (load_in_4bit / load_in_8bit) does not work with DeepSpeed ZeRO-3 in sft: ZeRO-3 "
+                       "partitions the packed bitsandbytes weights as if they were plain tensors. Use FSDP-QLoRA "
+                       "(`distributed: fsdp` with load_in_4bit: it shards the 4-bit base across GPUs), `distributed: "
+                       "zero2`, or a single GPU. See docs/distributed.md.")
+    if fsdp and values.get("load_in_8bit"):
+        raise SFTError("load_in_8bit cannot be sharded by FSDP; use load_in_4bit (FSDP-QLoRA) or `distributed: ddp`.")
+
+
+def peft_zero3_settings(values: dict) -> dict:
+    """PEFT under ZeRO-3 recomputes with reentrant activation checkpointing.
+
+    Non-reentrant checkpointing checks that recomputed tensors match the forward pass, and DeepSpeed releases the
+    frozen base weights to shape [0] before the recompute (transformers#47254, DeepSpeed#4332); recent DeepSpeed
+    re-gathers them, older versions fail the backward pass.
+    """
+    if not values.get("use_peft") or zero_stage(values.get("deepspeed")) != 3:
+        return {}
+    kwargs = values.get("activation_checkpointing_kwargs") or values.get("gradient_checkpointing_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        return {}  # a JSON string: TrainingArguments parses it, and reports it if it is malformed
+    if kwargs.get("use_reentrant") is False and (values.get("activation_checkpointing")
+                                                 or values.get("gradient_checkpointing")):
+        log.warning("use_reentrant: false with PEFT on ZeRO-3 fails the backward pass on older DeepSpeed "
+                    "(transformers#47254); remove it to use the reentrant default sft sets.")
+    return {"activation_checkpointing_kwargs": {"use_reentrant": True, **kwargs}}
+
+
+def prepare_final_save(trainer: Trainer) -> None:
+    """Make the final save a whole model that from_pretrained loads (FSDP checkpoints are sharded)."""
+    if trainer.is_fsdp_enabled:
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
