@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_plan import SWEEP, planned_and_traced, recipe  # noqa: E402
 
-from sft import plan as planner  # noqa: E402
+from sft.planning import plan as planner  # noqa: E402
 
 from sft.models.architectures import known_config  # noqa: E402
 from sft.planning.memtrace import trace_step  # noqa: E402
