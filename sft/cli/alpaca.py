@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from sft.cli.main import setup_logging
+from sft.cli.console import quiet_optional_backends, recipe_keys_help, setup_logging
 from sft.errors import SFTError
 from sft.training.recipe import RENAMED, load_recipe, parse_flags
 from sft.training.flows import train
@@ -45,12 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of scripts/train_alpaca.py and `sft alpaca`."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        from sft.cli.main import recipe_keys_help
-
         print(USAGE + "\n" + recipe_keys_help())
         return 0
     debug = "--debug" in argv
     setup_logging()
+    quiet_optional_backends()
     try:
         values, flags = alpaca_recipe([a for a in argv if a != "--debug"], torch.cuda.is_available())
         train(load_recipe(values, flags=flags))

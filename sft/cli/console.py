@@ -1,0 +1,32 @@
+"""What every verb shares: logging set up for people, import-time noise silenced, the recipe keys' help text."""
+
+import logging
+import os
+
+
+def setup_logging() -> None:
+    """Readable INFO logs from sft and transformers' Trainer."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("sft").setLevel(logging.INFO)
+
+
+def quiet_optional_backends() -> None:
+    """The command, not the library, silences import-time noise: DeepSpeed (imported by transformers' Trainer)
+    warns on every import when it finds no GPU unless told up front, and bitsandbytes warns about optional CPU
+    kernels. `import sft` changes neither the environment nor logging."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def recipe_keys_help() -> str:
+    """Every recipe key with its type and help text, from the SFTConfig dataclass."""
+    from transformers import HfArgumentParser
+
+    from sft.config.arguments import SFTConfig
+
+    text = HfArgumentParser(SFTConfig, prog="sft").format_help()
+    return "recipe keys:" + text.split("options:", 1)[-1]
