@@ -74,11 +74,10 @@ def violations(root: Path) -> list[str]:
 
 
 def cycles(root: Path) -> list[list[str]]:
-    """Import cycles among sft's modules (strongly connected components of more than one module)."""
+    """Import cycles among sft's modules (strongly connected components of more than one module). A package's
+    __init__ importing its own modules is not one: Python finds the package already in sys.modules."""
     known = modules(root)
     graph = {name: {t for t in imported(path, name) if t in known and t != name} for name, path in known.items()}
-    for name in graph:  # importing sft.a.b runs sft.a/__init__ first
-        graph[name] |= {p for p in graph[name] for p in [p.rpartition(".")[0]] if p in known and p != "sft"} - {name}
     index, low, stack, on_stack, found = {}, {}, [], set(), []
 
     def visit(v: str) -> None:
