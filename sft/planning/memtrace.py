@@ -30,7 +30,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config.arguments import SFTConfig
 from sft.training.loss import LinearCrossEntropy, chunk_rows, chunked_token_losses, supports_chunked_loss
-from sft.models.loading import DTYPES
+from sft.models.quantization import DTYPES
 from sft.models.quantization import compute_dtype
 
 if typing.TYPE_CHECKING:
