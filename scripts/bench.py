@@ -152,7 +152,8 @@ def count_tokens(trainer, counts: list) -> None:
 def run_sft(args: argparse.Namespace, workdir: Path, timer: StepTimer) -> dict:
     sys.path.insert(0, str(REPO))
     from sft.data.build import prepare_splits
-    from sft.models.loading import load_model, load_tokenizer
+    from sft.data.tokenizer import load_tokenizer
+    from sft.models.loading import load_model
     from sft.training.recipe import load_recipe
     from sft.data.stats import compute_stats
     from sft.training.trainer import SFTTrainer

@@ -172,7 +172,8 @@ def load_model(spec: dict):
 def sft_trainer(spec: dict, callback):
     """sft's recipe path: its packer, chunked loss, fused AdamW default, LoRA/QLoRA from recipe keys."""
     from sft.data.build import prepare_splits
-    from sft.models.loading import load_model as sft_load_model, load_tokenizer
+    from sft.data.tokenizer import load_tokenizer
+    from sft.models.loading import load_model as sft_load_model
     from sft.training.recipe import load_recipe
     from sft.data.stats import compute_stats
     from sft.training.trainer import SFTTrainer

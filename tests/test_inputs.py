@@ -84,7 +84,8 @@ def test_duplicate_recipe_keys_name_both_lines(tmp_path):
 @pytest.mark.skipif(not (TOKENIZERS / "qwen2.5-coder-3b-instruct").is_dir(),
                     reason=f"no real tokenizers at {TOKENIZERS}")
 def test_a_tokenizer_of_another_family_warns_with_the_new_rows(tiny_model_dir, caplog):
-    from sft.models.loading import load_model, load_tokenizer
+    from sft.data.tokenizer import load_tokenizer
+    from sft.models.loading import load_model
 
     config = load_recipe({"model_name_or_path": str(tiny_model_dir)})
     own = load_tokenizer(config)

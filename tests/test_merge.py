@@ -13,7 +13,8 @@ from conftest import make_llama, write_json
 from sft import load_recipe, train
 from sft.cli.main import main
 from sft.evaluation.generation import load_for_inference
-from sft.models.loading import load_model, load_tokenizer
+from sft.data.tokenizer import load_tokenizer
+from sft.models.loading import load_model
 
 ROWS = [{"prompt": "Add 2 and 3 <|calc|>", "completion": " 5"},
         {"prompt": "The capital of France is", "completion": " Paris."}]

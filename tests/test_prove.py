@@ -185,7 +185,7 @@ def cpu_seconds() -> float:
 
 
 def test_sft_train_logs_the_hint_for_chat_data_only(tmp_path, caplog):
-    from sft.models.loading import load_tokenizer
+    from sft.data.tokenizer import load_tokenizer
     from sft.training.recipe import load_recipe
     from sft.training.flows import hint_unproven_template
 

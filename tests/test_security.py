@@ -8,7 +8,8 @@ import torch
 from conftest import make_llama
 from sft.cli.main import main
 from sft.errors import SFTError
-from sft.models.loading import load_model, load_tokenizer
+from sft.data.tokenizer import load_tokenizer
+from sft.models.loading import load_model
 from sft.training.recipe import load_recipe
 
 SECRET = "hf_DoNotLeakThisToken123"

@@ -22,6 +22,8 @@ from sft.data.formats import (CHAT_FORMATS, Rendered, check_columns, check_sft_d
                          row_renderer)
 from sft.data.seq2seq import Seq2SeqEncoding, pair_renderer
 from sft.data.sources import Source, load_source, parse_sources, repeat_by_weight
+from sft.data.tokenizer import load_tokenizer
+from sft.models.loading import is_encoder_decoder
 
 TOKEN_COLUMNS = ["input_ids", "labels", "length"]
 COUNT_COLUMNS = ["truncated", "reasoning", "split"]  # per-example counts summed into Prepared, then removed
@@ -67,8 +69,6 @@ def prepare_splits(config: SFTConfig, tokenizer: PreTrainedTokenizerBase | None 
                    ) -> tuple[Prepared, Prepared | None]:
     """Train and eval data with their drop/truncation counts."""
     if tokenizer is None:
-        from sft.models.loading import load_tokenizer  # deferred: keeps `import sft.data.build` light
-
         tokenizer = load_tokenizer(config)
     train = prepare(parse_sources(config.dataset), config, tokenizer)
     if config.eval_dataset is not None:
@@ -103,8 +103,6 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
     # Decided per source: in `[text.jsonl, alpaca.json]` the text is trained whole, the Alpaca prompts are not.
     decided = SourceFormat(source.label, fmt, default_completion_only(fmt) if config.completion_only_loss is None
                            else config.completion_only_loss)
-    from sft.models.loading import is_encoder_decoder  # deferred: keeps `import sft.data.build` light
-
     if is_encoder_decoder(config):  # T5, BART, ...: source -> encoder input_ids, target + EOS -> labels
         render, encoding = pair_renderer(fmt), Seq2SeqEncoding(tokenizer, config.max_length, config.truncation_side)
     else:

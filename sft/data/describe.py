@@ -4,8 +4,9 @@ from sft.config.arguments import SFTConfig
 from sft.data.build import SourceFormat, make_renderer, prepare_splits, resolve_format
 from sft.data.encode import Encoding
 from sft.data.formats import CHAT_FORMATS, Rendered
-from sft.models.loading import is_encoder_decoder, load_tokenizer
 from sft.data.sources import load_source, parse_sources
+from sft.data.tokenizer import load_tokenizer
+from sft.models.loading import is_encoder_decoder
 from sft.data.stats import DataStats, compute_stats
 
 

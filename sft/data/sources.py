@@ -11,6 +11,7 @@ from typing import Any
 import datasets
 
 from sft.errors import SFTError
+from sft.models.loading import looks_local
 
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
 log = logging.getLogger(__name__)
@@ -67,13 +68,6 @@ def load_source(source: Source) -> datasets.Dataset:
     path = Path(source.path).expanduser()
     ds = _load_local(path, source.split) if path.exists() else _load_hub(source)
     return rename_columns(ds, source)
-
-
-def looks_local(name: str) -> bool:
-    """Whether `name` is meant as a local path rather than a Hub id (`name` or `org/name`): it starts with . / ~,
-    has more than one slash, or its first part is a folder here (`data/alpaca_smaple` is a typo, not a Hub id)."""
-    first = Path(name).parts[0] if Path(name).parts else ""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or ("/" in name and Path(first).is_dir())
 
 
 def _check_reachable(source: Source) -> None:

@@ -1,24 +1,28 @@
-"""Loading the tokenizer and model a recipe names: dtype, attention backend, safe defaults, new tokens."""
+"""Loading the model a recipe names: dtype, attention backend, safe defaults, new tokens; what names a model."""
 
 import logging
 from pathlib import Path
 
-import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, PretrainedConfig,
-                          PreTrainedModel, PreTrainedTokenizerBase)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.models.adapters import add_adapter, base_model_name, is_adapter_folder, load_trained_adapter
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
-from sft.models.quantization import quantized_loading
-from sft.data.sources import looks_local
+from sft.models.quantization import DTYPES, quantized_loading
 
 log = logging.getLogger(__name__)
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 EMBEDDING_MULTIPLE = 64  # padded vocab sizes keep matmuls on fast tensor-core shapes
 # More new rows than a chat template's or a user's few added tokens: the tokenizer belongs to another vocabulary.
 FOREIGN_TOKENIZER_ROWS = 256
+
+
+def looks_local(name: str) -> bool:
+    """Whether `name` is meant as a local path rather than a Hub id (`name` or `org/name`): it starts with . / ~,
+    has more than one slash, or its first part is a folder here (`data/alpaca_smaple` is a typo, not a Hub id)."""
+    first = Path(name).parts[0] if Path(name).parts else ""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or ("/" in name and Path(first).is_dir())
 
 
 def check_model_reference(name: str | None, key: str = "model_name_or_path") -> str:
@@ -28,48 +32,6 @@ def check_model_reference(name: str | None, key: str = "model_name_or_path") -> 
     if looks_local(name) and not Path(name).expanduser().exists():
         raise SFTError(f"`{key}`: {name} does not exist. Give an existing folder or a Hub id like org/name.")
     return str(Path(name).expanduser()) if name.startswith("~") else name
-
-
-def load_tokenizer(config: SFTConfig) -> PreTrainedTokenizerBase:
-    """The recipe's fast tokenizer, with a pad token arranged."""
-    name = check_model_reference(config.tokenizer_name_or_path or config.model_name_or_path,
-                                 "tokenizer_name_or_path" if config.tokenizer_name_or_path else "model_name_or_path")
-    warn_remote_code(config, name)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name, revision=config.revision, cache_dir=config.cache_dir,
-                                                  trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise SFTError(f"Could not load the tokenizer of {name}: {str(err).splitlines()[0]}") from None
-    if not tokenizer.is_fast:
-        raise SFTError(f"The tokenizer of {name} is not a fast tokenizer; sft needs character offsets to build "
-                       "loss masks. Convert it with `tokenizers` or pick a model that ships tokenizer.json.")
-    if config.chat_template:
-        apply_chat_template(tokenizer, config.chat_template)
-    if tokenizer.pad_token is None and config.pad_token:
-        tokenizer.add_special_tokens({"pad_token": config.pad_token})  # embeddings grow when the model loads
-    if tokenizer.pad_token is None:
-        # Labels are padded with -100 by the collator, never by matching pad ids, so reusing EOS for padding
-        # cannot hide the trained EOS token.
-        tokenizer.pad_token = tokenizer.eos_token
-        log.info("The tokenizer has no pad token; padding with %s (labels are padded with -100).", tokenizer.eos_token)
-    return tokenizer
-
-
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str) -> None:
-    """Set the recipe's chat template on the tokenizer (saved with it); presets add their special tokens."""
-    from sft.data.chat_templates import PRESETS, prepare_tokenizer_for_template, resolve_chat_template
-
-    tokenizer.chat_template = resolve_chat_template(chat_template, tokenizer)
-    if chat_template in PRESETS:
-        new_tokens = prepare_tokenizer_for_template(tokenizer, chat_template)
-        if new_tokens:
-            log.info("Added %s for the %s chat template; embeddings grow to fit.", ", ".join(new_tokens), chat_template)
-
-
-def warn_remote_code(config: SFTConfig, name: str) -> None:
-    """Say loudly which repository's code will run when trust_remote_code is on."""
-    if config.trust_remote_code:
-        log.warning("trust_remote_code is on: Python code from %s will run on this machine.", name)
 
 
 def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:

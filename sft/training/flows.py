@@ -16,7 +16,8 @@ from sft.training.presets import prepare_final_save
 from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
 from sft.data.formats import CHAT_FORMATS
 from sft.evaluation.metrics import resolve_metrics
-from sft.models.loading import load_model, load_model_config, load_tokenizer
+from sft.data.tokenizer import load_tokenizer
+from sft.models.loading import load_model, load_model_config
 from sft.data.packing import check_packing_supported, pack_dataset, pack_dataset_with_stats
 from sft.evaluation.predict import answer_offsets
 from sft.models.quantization import check_quantization

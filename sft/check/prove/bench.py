@@ -17,7 +17,8 @@ from sft.config.arguments import SFTConfig
 from sft.data.build import SourceFormat, make_renderer, prepare_splits, resolve_format
 from sft.data.encode import Encoding
 from sft.data.formats import default_completion_only
-from sft.models.loading import is_encoder_decoder, load_model, load_tokenizer
+from sft.data.tokenizer import load_tokenizer
+from sft.models.loading import is_encoder_decoder, load_model
 from sft.data.packing import pack_dataset
 from sft.training.recipe import load_recipe
 from sft.data.seq2seq import Seq2SeqEncoding, pair_renderer
