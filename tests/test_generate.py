@@ -11,10 +11,13 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import EMBEDDED_MODEL, REPO, make_tokenizer
 from sft import SFTError, load_recipe, train
-from sft.evaluation import generation
+from sft.cli import chat
 from sft.cli.main import main
+from sft.data.chat_templates import stop_token_ids
+from sft.evaluation import generation
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT
-from sft.evaluation.generation import GenerationOptions, load_for_inference, render_prompt, stop_token_ids
+from sft.evaluation.generation import GenerationOptions, render_prompt
+from sft.models.saved import load_for_inference
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -67,9 +70,9 @@ def test_chat_reset_starts_a_new_conversation(monkeypatch, capsys):
         seen.append([m["content"] for m in messages])
         return f"reply {len(seen)}"
 
-    monkeypatch.setattr(generation, "generate", fake_generate)
+    monkeypatch.setattr(chat, "generate", fake_generate)
     stdin = io.StringIO("hello\n\nagain\n/reset\nhi\n/exit\nignored\n")
-    generation.chat(None, None, GenerationOptions(), system="be brief", stdin=stdin)
+    chat.chat(None, None, GenerationOptions(), system="be brief", stdin=stdin)
     assert seen == [["be brief", "hello"], ["be brief", "hello", "reply 1", "again"], ["be brief", "hi"]]
 
 
@@ -92,7 +95,7 @@ def test_generation_stops_at_the_templates_end_of_turn(tiny_model_dir):
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.chat_template = CHATML
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
-    ids = stop_token_ids(tokenizer, model.generation_config)
+    ids = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
     assert ids == {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
 

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from conftest import make_llama, write_json
 from sft import load_recipe, train
 from sft.cli.main import main
-from sft.evaluation.generation import load_for_inference
 from sft.data.tokenizer import load_tokenizer
 from sft.models.loading import load_model
+from sft.models.saved import load_for_inference
 
 ROWS = [{"prompt": "Add 2 and 3 <|calc|>", "completion": " 5"},
         {"prompt": "The capital of France is", "completion": " Paris."}]

@@ -20,11 +20,10 @@ import sft.evaluation.predict
 from conftest import REPO
 from test_template_masks import FAMILIES
 from sft.data.chat import ChatRenderer
-from sft.data.chat_templates import PRESETS
+from sft.data.chat_templates import PRESETS, stop_token_ids
 from sft.cli.main import main
 from sft.data.encode import Encoding
 from sft.errors import SFTError
-from sft.evaluation.generation import stop_token_ids
 from sft.evaluation.predict import Example
 from sft.check.prove import prove_recipe, unproven_template_hint
 from sft.check.prove.batches import prove_batching, prove_packing
@@ -234,7 +233,7 @@ def chat_row_proof(name: str, row: dict, unstop: tuple[str, ...] = (),
     bench = SimpleNamespace(tokenizer=tok, base=SimpleNamespace(train_on_last_turn_only=False,
                                                                  assistant_only_loss=True))
     tally: Counter = Counter()
-    ids = stop_token_ids(tok, GenerationConfig(eos_token_id=stops)) - set(tok.convert_tokens_to_ids(list(unstop)))
+    ids = stop_token_ids(tok, stops) - set(tok.convert_tokens_to_ids(list(unstop)))
     problems, _ = check_chat_row(bench, row, "messages", examples, ids, tally)
     return problems, tally
 

@@ -209,7 +209,8 @@ def run_merge(args: argparse.Namespace, rest: list[str]) -> None:
 
 def load_for_verb(args: argparse.Namespace, rest: list[str]) -> tuple:
     """(model, tokenizer, options) for generate and chat."""
-    from sft.evaluation.generation import GenerationOptions, load_for_inference
+    from sft.evaluation.generation import GenerationOptions
+    from sft.models.saved import load_for_inference
 
     reject_extra(rest)
     options = GenerationOptions(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
@@ -222,7 +223,8 @@ def load_for_verb(args: argparse.Namespace, rest: list[str]) -> tuple:
 
 def run_generate(args: argparse.Namespace, rest: list[str]) -> None:
     """sft generate MODEL_OR_ADAPTER_DIR --prompt TEXT [decoding options]"""
-    from sft.evaluation.generation import generate, start_conversation
+    from sft.cli.chat import start_conversation
+    from sft.evaluation.generation import generate
 
     model, tokenizer, options = load_for_verb(args, rest)
     messages = start_conversation(args.system) + [{"role": "user", "content": args.prompt}]
@@ -231,7 +233,7 @@ def run_generate(args: argparse.Namespace, rest: list[str]) -> None:
 
 def run_chat(args: argparse.Namespace, rest: list[str]) -> None:
     """sft chat MODEL_OR_ADAPTER_DIR [decoding options]"""
-    from sft.evaluation.generation import chat
+    from sft.cli.chat import chat
 
     model, tokenizer, options = load_for_verb(args, rest)
     chat(model, tokenizer, options, system=args.system)

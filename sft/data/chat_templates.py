@@ -328,9 +328,9 @@ def stop_tokens(tokenizer: PreTrainedTokenizerBase, template: str | None = None,
                 generation_eos: int | list[int] | None = None) -> list[str]:
     """The tokens generation stops on, which are also the tokens that end a trained assistant turn.
 
-    The one place this is decided (chat masks, `sft generate`/`chat` and generation-based eval all call it): the
-    tokenizer's EOS and the generation config's `eos_token_id` list (GPT-OSS <|return|>/<|call|>, GLM <|user|>/
-    <|observation|>, Llama-3.1 <|eom_id|>). When neither follows a final reply in the template's rendering (no
+    The one place this is decided (chat masks call it; `sft generate`/`chat`, generation-based eval and `sft check
+    --prove` take its ids from stop_token_ids): the tokenizer's EOS and the generation config's `eos_token_id` list
+    (GPT-OSS <|return|>/<|call|>, GLM <|user|>/<|observation|>, Llama-3.1 <|eom_id|>). When neither follows a final reply in the template's rendering (no
     generation config, or one that does not cover this template), the special token the template writes right
     after an earlier reply is added, unless a known stop already follows it there: a base tokenizer's
     <|endoftext|> under ChatML gains <|im_end|>, Phi-3 (whose template writes EOS after the last turn only) gains
@@ -350,6 +350,13 @@ def stop_tokens(tokenizer: PreTrainedTokenizerBase, template: str | None = None,
                 *KNOWN_END_OF_TURN]
     ending = sorted((t for t in specials if after.lstrip().startswith(t)), key=len, reverse=True)
     return tokens + ending[:1]
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_eos: int | list[int] | None = None,
+                   template: str | None = None) -> set[int]:
+    """Ids of the stop tokens (stop_tokens) for generate(): `sft generate`/`chat`, generation-based eval, --prove."""
+    vocab = tokenizer.get_vocab()  # a template's end marker that this vocabulary splits into pieces has no id
+    return {vocab[token] for token in stop_tokens(tokenizer, template, generation_eos) if token in vocab}
 
 
 def _text_after_reply(tokenizer: PreTrainedTokenizerBase, template: str | None, followed: bool) -> str | None:

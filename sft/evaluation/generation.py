@@ -1,31 +1,21 @@
-"""Inference on a trained run: load a model or adapter folder, generate a reply, chat interactively."""
+"""Generation settings: decoding options, the prompt a conversation renders to, a reply, the generation config."""
 
-import logging
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator, TextIO
+from typing import Any
 
 import jinja2
 import torch
 import transformers
-import yaml
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, \
-    PreTrainedTokenizerBase, TextStreamer
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
-from sft.models.adapters import ADAPTER_CONFIG, base_model_name, is_adapter_folder
-from sft.data.chat_templates import stop_tokens
-from sft.errors import SFTError
+from sft.data.chat_templates import stop_token_ids
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT
-from sft.models.loading import DTYPES, fit_embeddings
-from sft.models.quantization import is_quantized, quantization_config
-from sft.training.recipe import load_recipe
+from sft.errors import SFTError
 
-log = logging.getLogger(__name__)
-# Recipe keys that decide how a run quantized its base (bf16/fp16/dtype pick bnb_4bit_compute_dtype: auto).
-QUANTIZATION_KEYS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
-                     "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "dtype", "bf16", "fp16")
+# Greedy decoding ignores sampling knobs; clearing the model's own (e.g. temperature 0.6) avoids warnings and, in
+# evaluation, metrics that are noisy from run to run.
+GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
 
 
 @dataclass
@@ -48,86 +38,6 @@ class GenerationOptions:
                            "decoding leave out --do_sample).")
         if self.do_sample and not 0 < self.top_p <= 1:
             raise SFTError(f"--top_p must be in (0, 1], got {self.top_p}.")
-
-
-def load_for_inference(path: str | Path, dtype: str = "auto", base_model: str | None = None,
-                       device: str | None = None) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
-    """A model folder, or an adapter folder on its base model, with the tokenizer saved beside it, in eval mode.
-
-    Args:
-        path: a `save_pretrained` model folder or a LoRA adapter folder (a use_peft run or one of its checkpoints).
-        dtype: auto (as saved), bfloat16, float16 or float32.
-        base_model: for adapters, load this base instead of the one named in adapter_config.json.
-        device: where to run; default cuda when available, else cpu.
-    """
-    folder = check_folder(path)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = load_saved_tokenizer(folder)
-    if is_adapter_folder(folder):
-        model = load_adapter(folder, tokenizer, dtype, base_model, device)
-    else:
-        model = load_pretrained(str(folder), dtype, device)
-    model.eval()
-    return model, tokenizer
-
-
-def check_folder(path: str | Path) -> Path:
-    """`path` as a folder holding a model (config.json) or an adapter (adapter_config.json), or an error."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise SFTError(f"{path} does not exist or is not a folder. Give the output_dir of a run, one of its "
-                       "checkpoint-N folders, or a saved model folder.")
-    if not is_adapter_folder(folder) and not (folder / "config.json").is_file():
-        raise SFTError(f"{path} holds neither a model (config.json) nor a LoRA adapter ({ADAPTER_CONFIG}).")
-    return folder
-
-
-def load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved with the run (it carries added tokens and the chat template)."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError) as err:
-        raise SFTError(f"No usable tokenizer in {folder}: {str(err).splitlines()[0]}") from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, base_model: str | None,
-                 device: str, dequantize: bool = False) -> PeftModel:
-    """The adapter in `folder` on its base model, quantized as in training unless `dequantize`."""
-    name = base_model or base_model_name(folder)
-    log.info("Loading the base model %s for the adapter in %s", name, folder)
-    hint = (f" (the base model named in {folder / ADAPTER_CONFIG}). Check the path or Hub id and network access, "
-            "or pass --base_model with a local copy")
-    base = load_pretrained(name, dtype, device, run_quantization(folder), hint)
-    if dequantize and is_quantized(base):
-        base = base.dequantize(dtype=DTYPES.get(dtype))
-    fit_embeddings(base, tokenizer)  # the run grew the vocabulary the same way before training
-    return PeftModel.from_pretrained(base, str(folder))
-
-
-def run_quantization(folder: Path) -> dict:
-    """from_pretrained quantization arguments of the run that trained the adapter (from its recipe.yaml)."""
-    recipe = next((p / "recipe.yaml" for p in (folder, folder.parent) if (p / "recipe.yaml").is_file()), None)
-    if recipe is None:
-        return {}
-    values = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}
-    if not (values.get("load_in_4bit") or values.get("load_in_8bit")):
-        return {}
-    keys = {key: values[key] for key in QUANTIZATION_KEYS if values.get(key) is not None}
-    # through load_recipe: the same validation and defaults the training run had
-    return {"quantization_config": quantization_config(load_recipe({**keys, "use_peft": True}))}
-
-
-def load_pretrained(name: str, dtype: str, device: str, quantization: dict | None = None,
-                    hint: str = "") -> PreTrainedModel:
-    """A causal LM for inference, or an SFTError naming what could not be loaded (plus `hint`)."""
-    try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES.get(dtype, "auto"), device_map={"": device},
-                                                    **(quantization or {}))
-    except (OSError, ValueError) as err:
-        raise SFTError(f"Could not load the model {name}{hint}: {str(err).splitlines()[0]}") from None
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
@@ -181,55 +91,17 @@ def generate(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerB
 def generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                       options: GenerationOptions) -> GenerationConfig:
     """The model's generation config with the requested decoding; stops at EOS or the template's end of turn."""
-    config = GenerationConfig.from_dict(model.generation_config.to_dict())
-    # Greedy decoding ignores sampling knobs; clearing the model's own (e.g. temperature 0.6) avoids warnings.
-    sampling = (dict(temperature=options.temperature, top_p=options.top_p) if options.do_sample
-                else dict(temperature=None, top_p=None, top_k=None))
-    config.update(max_new_tokens=options.max_new_tokens, do_sample=options.do_sample, use_cache=True,
-                  eos_token_id=sorted(stop_token_ids(tokenizer, config)), pad_token_id=tokenizer.pad_token_id,
-                  **sampling)
+    sampling = dict(do_sample=True, temperature=options.temperature, top_p=options.top_p)
+    return decoding_config(model, tokenizer, max_new_tokens=options.max_new_tokens,
+                           **(sampling if options.do_sample else GREEDY))
+
+
+def decoding_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: GenerationConfig | None = None,
+                    **settings: Any) -> GenerationConfig:
+    """`config` (default: a copy of the model's generation config) with `settings`, the KV cache on, padding with the
+    tokenizer's pad token, stopping at its EOS, the config's EOS ids and the chat template's end of turn."""
+    config = GenerationConfig.from_dict(model.generation_config.to_dict()) if config is None else config
+    config.update(**settings)
+    config.update(use_cache=True, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=sorted(stop_token_ids(tokenizer, config.eos_token_id)))
     return config
-
-
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, config: GenerationConfig) -> set[int]:
-    """Ids of the tokens generation stops on (sft.data.chat_templates.stop_tokens: the same that end trained turns)."""
-    vocab = tokenizer.get_vocab()  # a template's end marker that this vocabulary splits into pieces has no id
-    return {vocab[token] for token in stop_tokens(tokenizer, None, config.eos_token_id) if token in vocab}
-
-
-def chat(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase, options: GenerationOptions,
-         system: str | None = None, stdin: TextIO = sys.stdin) -> None:
-    """Read user turns from `stdin` and stream replies to stdout; /reset clears the conversation, /exit quits."""
-    interactive = stdin.isatty()
-    if interactive:
-        print("Chat with the model. /reset starts a new conversation, /exit (or Ctrl-D) quits.")
-    history = start_conversation(system)
-    for line in user_turns(stdin, interactive):
-        if line == "/exit":
-            break
-        if line == "/reset":
-            history = start_conversation(system)
-            print("(conversation reset)", flush=True)
-            continue
-        history.append({"role": "user", "content": line})
-        print("assistant> ", end="", flush=True)
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        history.append({"role": "assistant", "content": generate(model, tokenizer, history, options, streamer)})
-
-
-def start_conversation(system: str | None) -> list[dict[str, str]]:
-    """A fresh message list, holding the system prompt if one was given."""
-    return [{"role": "system", "content": system}] if system else []
-
-
-def user_turns(stdin: TextIO, interactive: bool) -> Iterator[str]:
-    """Non-empty input lines, stripped, until end of input; a terminal gets a `you> ` prompt with line editing."""
-    while True:
-        try:
-            line = input("you> ") if interactive else stdin.readline()
-        except EOFError:
-            return
-        if not interactive and not line:
-            return
-        if line.strip():
-            yield line.strip()

@@ -25,6 +25,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase, Seq2SeqTrain
 
 from sft.config.arguments import SFTConfig
 from sft.data.encode import IGNORE_INDEX
+from sft.evaluation.generation import GREEDY, decoding_config
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -121,18 +122,10 @@ def eval_generation_config(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
     generation_num_beams apply on top; generation stops at the tokenizer's EOS, the config's EOS ids and the chat
     template's end-of-turn token. `overrides` are generate() keyword arguments given to evaluate().
     """
-    from sft.evaluation.generation import stop_token_ids
-
-    if args.generation_config is not None:
-        config = Seq2SeqTrainer.load_generation_config(args.generation_config)
-    else:
-        config = GenerationConfig.from_dict(model.generation_config.to_dict())
-        # A model's own sampling defaults (e.g. temperature 0.6) would make eval metrics noisy from run to run.
-        config.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    own = None if args.generation_config is None else Seq2SeqTrainer.load_generation_config(args.generation_config)
     max_new_tokens = args.max_new_tokens if isinstance(args, SFTConfig) else None
-    config.update(max_new_tokens=max_new_tokens or args.generation_max_length or DEFAULT_MAX_NEW_TOKENS,
-                  max_length=None, use_cache=True, pad_token_id=tokenizer.pad_token_id,
-                  eos_token_id=sorted(stop_token_ids(tokenizer, config)))
+    config = decoding_config(model, tokenizer, own, **(GREEDY if own is None else {}), max_length=None,
+                             max_new_tokens=max_new_tokens or args.generation_max_length or DEFAULT_MAX_NEW_TOKENS)
     if args.generation_num_beams is not None:
         config.num_beams = args.generation_num_beams
     config.update(**(overrides or {}))

@@ -6,7 +6,7 @@ from pathlib import Path
 from sft import rundir
 from sft.errors import SFTError
 from sft.models.adapters import ADAPTER_CONFIG, is_adapter_folder
-from sft.evaluation.generation import check_folder, load_adapter, load_saved_tokenizer
+from sft.models.saved import check_folder, load_adapter, load_saved_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,47 @@
+"""`sft chat`: an interactive conversation with a model, replies streamed as they are generated."""
+
+import sys
+from typing import Iterator, TextIO
+
+from peft import PeftModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
+
+from sft.evaluation.generation import GenerationOptions, generate
+
+
+def chat(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase, options: GenerationOptions,
+         system: str | None = None, stdin: TextIO = sys.stdin) -> None:
+    """Read user turns from `stdin` and stream replies to stdout; /reset clears the conversation, /exit quits."""
+    interactive = stdin.isatty()
+    if interactive:
+        print("Chat with the model. /reset starts a new conversation, /exit (or Ctrl-D) quits.")
+    history = start_conversation(system)
+    for line in user_turns(stdin, interactive):
+        if line == "/exit":
+            break
+        if line == "/reset":
+            history = start_conversation(system)
+            print("(conversation reset)", flush=True)
+            continue
+        history.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        history.append({"role": "assistant", "content": generate(model, tokenizer, history, options, streamer)})
+
+
+def start_conversation(system: str | None) -> list[dict[str, str]]:
+    """A fresh message list, holding the system prompt if one was given."""
+    return [{"role": "system", "content": system}] if system else []
+
+
+def user_turns(stdin: TextIO, interactive: bool) -> Iterator[str]:
+    """Non-empty input lines, stripped, until end of input; a terminal gets a `you> ` prompt with line editing."""
+    while True:
+        try:
+            line = input("you> ") if interactive else stdin.readline()
+        except EOFError:
+            return
+        if not interactive and not line:
+            return
+        if line.strip():
+            yield line.strip()

@@ -1,0 +1,102 @@
+"""Loading a saved run for inference: a model folder, or an adapter folder on its base (quantized as it trained),
+with the tokenizer saved beside it."""
+
+import logging
+from pathlib import Path
+
+import torch
+import yaml
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from sft.config.arguments import SFTConfig
+from sft.errors import SFTError
+from sft.models.adapters import ADAPTER_CONFIG, base_model_name, is_adapter_folder
+from sft.models.loading import fit_embeddings
+from sft.models.quantization import DTYPES, is_quantized, quantization_config
+
+log = logging.getLogger(__name__)
+# Recipe keys that decide how a run quantized its base (bf16/fp16/dtype pick bnb_4bit_compute_dtype: auto).
+QUANTIZATION_KEYS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+                     "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "dtype", "bf16", "fp16")
+
+
+def load_for_inference(path: str | Path, dtype: str = "auto", base_model: str | None = None,
+                       device: str | None = None) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
+    """A model folder, or an adapter folder on its base model, with the tokenizer saved beside it, in eval mode.
+
+    Args:
+        path: a `save_pretrained` model folder or a LoRA adapter folder (a use_peft run or one of its checkpoints).
+        dtype: auto (as saved), bfloat16, float16 or float32.
+        base_model: for adapters, load this base instead of the one named in adapter_config.json.
+        device: where to run; default cuda when available, else cpu.
+    """
+    folder = check_folder(path)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_saved_tokenizer(folder)
+    if is_adapter_folder(folder):
+        model = load_adapter(folder, tokenizer, dtype, base_model, device)
+    else:
+        model = load_pretrained(str(folder), dtype, device)
+    model.eval()
+    return model, tokenizer
+
+
+def check_folder(path: str | Path) -> Path:
+    """`path` as a folder holding a model (config.json) or an adapter (adapter_config.json), or an error."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise SFTError(f"{path} does not exist or is not a folder. Give the output_dir of a run, one of its "
+                       "checkpoint-N folders, or a saved model folder.")
+    if not is_adapter_folder(folder) and not (folder / "config.json").is_file():
+        raise SFTError(f"{path} holds neither a model (config.json) nor a LoRA adapter ({ADAPTER_CONFIG}).")
+    return folder
+
+
+def load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with the run (it carries added tokens and the chat template)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as err:
+        raise SFTError(f"No usable tokenizer in {folder}: {str(err).splitlines()[0]}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, base_model: str | None,
+                 device: str, dequantize: bool = False) -> PeftModel:
+    """The adapter in `folder` on its base model, quantized as in training unless `dequantize`."""
+    name = base_model or base_model_name(folder)
+    log.info("Loading the base model %s for the adapter in %s", name, folder)
+    hint = (f" (the base model named in {folder / ADAPTER_CONFIG}). Check the path or Hub id and network access, "
+            "or pass --base_model with a local copy")
+    base = load_pretrained(name, dtype, device, run_quantization(folder), hint)
+    if dequantize and is_quantized(base):
+        base = base.dequantize(dtype=DTYPES.get(dtype))
+    fit_embeddings(base, tokenizer)  # the run grew the vocabulary the same way before training
+    return PeftModel.from_pretrained(base, str(folder))
+
+
+def run_quantization(folder: Path) -> dict:
+    """from_pretrained quantization arguments of the run that trained the adapter (from its recipe.yaml)."""
+    recipe = next((p / "recipe.yaml" for p in (folder, folder.parent) if (p / "recipe.yaml").is_file()), None)
+    if recipe is None:
+        return {}
+    values = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}
+    if not (values.get("load_in_4bit") or values.get("load_in_8bit")):
+        return {}
+    keys = {key: values[key] for key in QUANTIZATION_KEYS if values.get(key) is not None}
+    # The values were validated when the run trained; SFTConfig gives the keys the file lacks their defaults.
+    settings = SFTConfig(output_dir=str(folder), use_peft=True, **keys)
+    return {"quantization_config": quantization_config(settings)}
+
+
+def load_pretrained(name: str, dtype: str, device: str, quantization: dict | None = None,
+                    hint: str = "") -> PreTrainedModel:
+    """A causal LM for inference, or an SFTError naming what could not be loaded (plus `hint`)."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES.get(dtype, "auto"), device_map={"": device},
+                                                    **(quantization or {}))
+    except (OSError, ValueError) as err:
+        raise SFTError(f"Could not load the model {name}{hint}: {str(err).splitlines()[0]}") from None
