@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from jinja2 import TemplateError
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from sft.data.chat import REASONING_FIELDS, SHAREGPT_ROLES
-from sft.data.chat_templates import stop_token_ids
+from sft.data.chat_templates import generation_eos, stop_token_ids
 from sft.data.encode import IGNORE_INDEX
 from sft.data.formats import CHAT_FORMATS
 from sft.data.show import show_examples
@@ -95,14 +95,9 @@ def prove_masks(bench: Bench, rows: int, encode_row: Callable[[dict, int], list[
 
 def stop_ids(bench: Bench) -> set[int]:
     """The ids generation stops on: tokenizer EOS, the recipe model's generation config, the template's end."""
-    config = GenerationConfig()
-    for name in (bench.recipe.model_name_or_path, bench.base.model_name_or_path):
-        try:
-            config = GenerationConfig.from_pretrained(name)
-            break
-        except (OSError, ValueError):
-            continue
-    return stop_token_ids(bench.tokenizer, config.eos_token_id)
+    names = (bench.recipe.model_name_or_path, bench.base.model_name_or_path)
+    eos = next((ids for ids in map(generation_eos, names) if ids is not None), None)
+    return stop_token_ids(bench.tokenizer, eos)
 
 
 def chat_row(row: dict, fmt: str) -> bool:
