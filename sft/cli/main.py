@@ -6,6 +6,7 @@ import sys
 from typing import Callable
 
 from sft.cli.console import quiet_optional_backends, recipe_keys_help, setup_logging
+from sft.config.arguments import DTYPE_NAMES
 from sft.errors import SFTError
 
 log = logging.getLogger("sft")
@@ -147,7 +148,6 @@ def run_eval(args: argparse.Namespace, rest: list[str]) -> None:
     print("\n".join(f"{k:<28} {v:.6g}" if isinstance(v, float) else f"{k:<28} {v}" for k, v in metrics.items()))
 
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
 
 def add_inference_verbs(verbs: argparse._SubParsersAction) -> None:
@@ -158,7 +158,7 @@ def add_inference_verbs(verbs: argparse._SubParsersAction) -> None:
     merge.add_argument("adapter_dir", help="output_dir (or checkpoint-N folder) of a use_peft run")
     merge.add_argument("output_dir",
                        help="folder for the merged model: new, empty, or an earlier merge (with --overwrite)")
-    merge.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="weights dtype (auto: the base's)")
+    merge.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights dtype (auto: the base's)")
     merge.add_argument("--overwrite", action="store_true",
                        help="replace an earlier merge sft wrote there (never other files)")
     merge.add_argument("--base_model", help="merge into this base instead of the one in adapter_config.json")
@@ -188,7 +188,7 @@ def add_generation_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--template", choices=("auto", "chat", "alpaca"), default="auto",
                      help="prompt format: the tokenizer's chat template, or the Alpaca prompt that alpaca data trains "
                           "on (auto: the chat template if the tokenizer has one)")
-    sub.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="weights dtype (auto: as saved)")
+    sub.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights dtype (auto: as saved)")
     sub.add_argument("--base_model", help="for adapters: use this base instead of the one in adapter_config.json")
 
 

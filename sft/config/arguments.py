@@ -13,6 +13,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_tf32_availa
 # training starts (hardware_problems); everywhere else they go through TrainingArguments.__post_init__, which sets
 # mixed_precision, fills DeepSpeed's "auto" bf16/fp16 entries and the FSDP mixed-precision policy, and enables TF32.
 GPU_ONLY_FLAGS = ("bf16", "bf16_full_eval", "tf32")
+DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")  # a weights dtype: auto keeps the checkpoint's
 
 
 def _help(text: str, default: Any = None, **kwargs: Any) -> Any:
@@ -28,7 +29,7 @@ class SFTConfig(Seq2SeqTrainingArguments):
     model_name_or_path: str | None = _help("Hub id or local folder of the model to fine-tune.")
     tokenizer_name_or_path: str | None = _help("Tokenizer to use; defaults to the model's.")
     dtype: str = _help("Weights dtype: auto, bfloat16, float16 or float32.", "auto",
-                       choices=("auto", "bfloat16", "float16", "float32"))
+                       choices=DTYPE_NAMES)
     attn_implementation: str | None = _help("Attention backend: eager, sdpa, flash_attention_2, flex_attention.")
     trust_remote_code: bool = _help("Run Python code shipped with a Hub model. Off unless you trust the repo.", False)
     revision: str | None = _help("Hub revision (branch, tag or commit) of the model and tokenizer.")
@@ -97,7 +98,7 @@ class SFTConfig(Seq2SeqTrainingArguments):
     bnb_4bit_quant_type: str = _help("4-bit data type: nf4 or fp4.", "nf4", choices=("nf4", "fp4"))
     bnb_4bit_use_double_quant: bool = _help("Quantize the quantization constants too (saves ~0.4 bit/param).", True)
     bnb_4bit_compute_dtype: str = _help("dtype of 4-bit matmuls: auto (the model dtype), bfloat16, float16, float32.",
-                                        "auto", choices=("auto", "bfloat16", "float16", "float32"))
+                                        "auto", choices=DTYPE_NAMES)
     bnb_4bit_quant_storage: str | None = _help("Storage dtype of packed 4-bit weights (FSDP-QLoRA needs the compute dtype).")
 
     # Distributed

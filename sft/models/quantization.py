@@ -3,10 +3,10 @@
 import torch
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
-from sft.config.arguments import SFTConfig
+from sft.config.arguments import DTYPE_NAMES, SFTConfig
 from sft.errors import SFTError
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}  # recipe name -> torch dtype
 
 
 def check_quantization(config: SFTConfig) -> None:
