@@ -4,7 +4,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-IGNORE_INDEX = -100
+from sft.data.encode import IGNORE_INDEX
+
 GREEN, RESET = "\033[1;32m", "\033[0m"  # bold green for trained text; plain for context
 OPEN, CLOSE = "[[", "]]"  # the same marks for log files and pipes
 # Trained chat pieces shown apart from the answer: colour on a terminal, a named mark elsewhere.
