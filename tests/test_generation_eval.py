@@ -12,7 +12,7 @@ from conftest import EMBEDDED_MODEL, make_llama, write_json
 from sft import SFTConfig, SFTTrainer, build_datasets, load_recipe, train
 from sft.cli.main import main
 from sft.data.encode import IGNORE_INDEX
-from sft.data.packing import PackedCollator, PaddingFreeCollator
+from sft.data.collators import PackedCollator, PaddingFreeCollator
 from sft.evaluation.predict import causal_examples, eval_generation_config
 
 # Prompts of different lengths, so left padding is exercised; answers a tiny model can memorise.

@@ -1,14 +1,19 @@
 """NEFTune: each example's noise uses its own length, inside packed rows too; embeddings are clean after train()."""
 
+import math
+
 import datasets
 import pytest
 import torch
 
 from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
-from sft.training.neftune import NEFTune, expected_noise_norm, token_example_lengths
+from sft.training.neftune import NEFTune, token_example_lengths
 
 ALPHA, HIDDEN = 5.0, 32
+# Expected norm of one example's noise: the sum of its L*d squared uniform(-s, s) draws, s = alpha / sqrt(L*d), has
+# mean L*d * s^2 / 3 = alpha^2 / 3 whatever L is; the norm concentrates at its square root, alpha / sqrt(3).
+EXPECTED_NORM = ALPHA / math.sqrt(3.0)
 
 
 def noise_per_example(lengths: list[int], packed: bool, trials: int = 200) -> torch.Tensor:
@@ -41,10 +46,10 @@ def noise_per_example(lengths: list[int], packed: bool, trials: int = 200) -> to
 def test_noise_norm_per_example_is_alpha_over_sqrt3_whatever_the_length(packed):
     lengths = [4, 20, 100]
     norms = noise_per_example(lengths, packed)
-    assert torch.allclose(norms, torch.full((3,), expected_noise_norm(ALPHA)), rtol=0.05)
+    assert torch.allclose(norms, torch.full((3,), EXPECTED_NORM), rtol=0.05)
     # transformers' hook would give sqrt(L_i / row_length) of that: 0.2, 0.45, 1.0 for these lengths
     row = sum(lengths) if packed else max(lengths)
-    naive = expected_noise_norm(ALPHA) * torch.sqrt(torch.tensor(lengths) / row)
+    naive = EXPECTED_NORM * torch.sqrt(torch.tensor(lengths) / row)
     assert not torch.allclose(norms, naive, rtol=0.2)
 
 

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorWithFlattening
 
+from sft.data.bins import best_fit_decreasing, exact_fit_decreasing, n_bins, pack_bins
+from sft.data.collators import PackedCollator, PaddingFreeCollator
 from sft.data.packing import (
-    NO_PACKING_MODEL_TYPES, PACKING_MODEL_TYPES, PackedCollator, PaddingFreeCollator, best_fit_decreasing,
-    check_packing_supported, estimate_packing, exact_fit_decreasing, n_bins, pack_bins, pack_dataset,
-    pack_dataset_with_stats, pack_lengths,
+    NO_PACKING_MODEL_TYPES, PACKING_MODEL_TYPES, check_packing_supported, estimate_packing, pack_dataset,
+    pack_dataset_with_stats,
 )
 
 from conftest import FIXTURES
@@ -39,6 +40,12 @@ def slow_bfd(lengths: np.ndarray, capacity: int) -> np.ndarray:
         free[b] -= int(lengths[i])
         bin_of[i] = b
     return bin_of
+
+
+def bin_members(bin_of: np.ndarray) -> list[np.ndarray]:
+    """Item indices of each bin, grouped from a bin-id-per-item assignment."""
+    order = np.argsort(bin_of, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(bin_of))[:-1]) if bin_of.size else []
 
 
 def residuals(lengths: np.ndarray, bin_of: np.ndarray, capacity: int) -> list[int]:
@@ -75,7 +82,7 @@ def test_packers_place_every_item_once_within_capacity(packer, seed):
     assert bin_of.shape == lengths.shape
     assert sorted(set(bin_of.tolist())) == list(range(n_bins(bin_of)))  # bins numbered densely, none empty
     assert np.bincount(bin_of, weights=lengths).max() <= capacity
-    bins = pack_lengths(lengths, capacity)
+    bins = bin_members(bin_of)
     assert sorted(np.concatenate(bins).tolist()) == list(range(len(lengths)))
     assert max(int(lengths[b].sum()) for b in bins) <= capacity
 
@@ -88,7 +95,7 @@ def test_pack_bins_is_never_worse_than_bfd(seed):
 
 
 def test_packer_edge_cases():
-    assert pack_lengths(np.array([], dtype=np.int64), 8) == []
+    assert bin_members(pack_bins(np.array([], dtype=np.int64), 8)) == []
     assert n_bins(pack_bins(np.full(10, 8), 8)) == 10
     assert n_bins(pack_bins(np.ones(17, dtype=np.int64), 8)) == 3
     with pytest.raises(ValueError, match="lengths must lie in"):

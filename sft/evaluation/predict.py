@@ -16,7 +16,7 @@ import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import datasets
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 from sft.config.arguments import SFTConfig
+from sft.data.boundaries import spans
 from sft.data.encode import IGNORE_INDEX
 from sft.evaluation.generation import GREEDY, decoding_config
 
@@ -69,7 +70,8 @@ def causal_examples(inputs: dict[str, Any], offsets: dict[tuple, int] | None = N
     """The examples of a causal eval batch, grouped by dataset row (a packed row holds several).
 
     Plain batches drop padding with the attention mask; packed and padding-free batches (position_ids) are split
-    where positions restart. A padding-free batch is one flattened row, so there each example is its own group.
+    into the examples sft.data.boundaries finds. A padding-free batch is one flattened row, so there each example
+    is its own group.
     """
     ids, labels = inputs["input_ids"], inputs["labels"]
     if "position_ids" not in inputs:
@@ -78,18 +80,10 @@ def causal_examples(inputs: dict[str, Any], offsets: dict[tuple, int] | None = N
         rows = [[causal_example(ids[i][keep[i]], labels[i][keep[i]], offsets)] for i in range(ids.shape[0])]
     else:
         rows = [[causal_example(ids[i, a:b], labels[i, a:b], offsets)
-                 for a, b in segments(inputs["position_ids"][i])] for i in range(ids.shape[0])]
+                 for a, b in spans(inputs["position_ids"][i])] for i in range(ids.shape[0])]
         if "cu_seq_lens_q" in inputs:  # flattened by the padding-free collator: one example per dataset row
             rows = [[example] for example in rows[0]]
     return [[e for e in row if e is not None] for row in rows]
-
-
-def segments(positions: torch.Tensor) -> Iterator[tuple[int, int]]:
-    """(start, end) of each example in a packed row: a new one starts wherever positions do not go up by 1."""
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[1:] = positions[1:] != positions[:-1] + 1
-    bounds = starts.nonzero().flatten().tolist() + [len(positions)]
-    return zip(bounds[:-1], bounds[1:])
 
 
 def seq2seq_examples(inputs: dict[str, Any]) -> list[list[Example]]:

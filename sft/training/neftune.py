@@ -5,32 +5,26 @@ about sqrt(k) too little noise. Here each token's noise uses the length L_i of t
 alpha / sqrt(L_i * d), as in the NEFTune paper; padding gets none.
 """
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from sft.data.boundaries import token_lengths
+
 
 def token_example_lengths(inputs: dict[str, Any]) -> torch.Tensor:
     """[B, T] float tensor: for each token, the length of the example it belongs to (0 for padding).
 
-    Packed and padding-free batches carry position_ids that restart at 0 at every example; padded batches carry an
-    attention_mask.
+    Packed and padding-free batches carry position_ids that restart at every example (read by
+    sft.data.boundaries, as the attention mask is); padded batches carry an attention_mask.
     """
     if "position_ids" in inputs and "attention_mask" not in inputs:
-        return _lengths_from_positions(inputs["position_ids"])
+        return token_lengths(inputs["position_ids"]).float()
     mask = inputs.get("attention_mask")
     if mask is None:
         mask = torch.ones_like(inputs["input_ids"])
     return (mask.sum(dim=1, keepdim=True) * mask).float()
-
-
-def _lengths_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    starts = (position_ids == 0).long()
-    segment = torch.cumsum(starts.flatten(), 0).view_as(position_ids)  # one id per example across the batch
-    counts = torch.bincount(segment.flatten())
-    return counts[segment].float()
 
 
 class NEFTune:
@@ -59,8 +53,3 @@ class NEFTune:
         scale = torch.where(lengths > 0, scale, torch.zeros_like(scale)).to(output.dtype)
         noise = torch.empty_like(output).uniform_(-1.0, 1.0)
         return output + noise * scale.unsqueeze(-1)
-
-
-def expected_noise_norm(alpha: float) -> float:
-    """E-norm of one example's noise: sum of L*d uniform(-s, s)^2 terms with s = alpha/sqrt(L*d) is alpha^2/3."""
-    return alpha / math.sqrt(3.0)

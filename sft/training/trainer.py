@@ -22,7 +22,7 @@ from sft.evaluation.metrics import compute_metrics, resolve_metrics
 from sft.training.neftune import NEFTune, token_example_lengths
 from sft.evaluation.predict import PromptGenerator, answer_offsets, eval_generation_config, write_predictions
 from sft.data.seq2seq import seq2seq_token_loss
-from sft.data.packing import PackedCollator, PaddingFreeCollator
+from sft.data.collators import PackedCollator, PaddingFreeCollator
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:

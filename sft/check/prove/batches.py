@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sft.data.boundaries import spans
 from sft.data.encode import IGNORE_INDEX
-from sft.evaluation.predict import segments
 from sft.check.prove.bench import Bench, exact_mode, no_dropout, weights
 from sft.check.prove.result import Proof
 from sft.training.trainer import default_collator
@@ -63,7 +63,7 @@ def split_rows(batch: dict, losses: torch.Tensor, encoder_decoder: bool) -> dict
     ids, out = batch["input_ids"], {}
     if "position_ids" in batch:
         for row in range(ids.shape[0]):
-            for start, end in segments(batch["position_ids"][row]):
+            for start, end in spans(batch["position_ids"][row]):
                 out[tuple(ids[row, start:end].tolist())] = losses[row, start:end]
         return out
     mask = batch["attention_mask"].bool()

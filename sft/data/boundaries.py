@@ -1,0 +1,47 @@
+"""Where packed examples start and end: the one reading of position_ids that sft shares with transformers.
+
+Packed rows (pack_dataset), flattened padding-free batches and the padding PackedCollator appends all number
+positions from 0 in every example. transformers' packed-sequence detection (masking_utils,
+`find_packed_sequence_indices`) starts a new sequence wherever position_ids do not go up by 1, and flash
+attention's varlen kernel gets the same boundaries as cu_seq_lens. The collators' label masking, NEFTune's
+per-example noise, the eval prompt cutting and `sft check`'s packing proof read boundaries here, by that same rule,
+so none of them can disagree with the attention mask the model builds.
+"""
+
+import numpy as np
+import torch
+
+
+def positions(lengths: np.ndarray) -> np.ndarray:
+    """position_ids of consecutive examples of the given lengths: 0, 1, ... restarting at every example."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    first = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
+
+
+def row_positions(feature: dict, n_tokens: int) -> torch.Tensor:
+    """position_ids of one dataset row: its own, else from its seq_lengths, else the row is one example."""
+    if feature.get("position_ids") is not None:  # Trainer may drop seq_lengths (remove_unused_columns)
+        return torch.as_tensor(feature["position_ids"], dtype=torch.long)
+    if feature.get("seq_lengths") is not None:
+        return torch.from_numpy(positions(feature["seq_lengths"]))
+    return torch.arange(n_tokens, dtype=torch.long)
+
+
+def starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """True where an example starts ([..., T]): each row's first token and wherever positions do not go up by 1."""
+    out = torch.ones_like(position_ids, dtype=torch.bool)
+    out[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    return out
+
+
+def spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each example in one row of position_ids."""
+    bounds = starts(position_ids).nonzero().flatten().tolist() + [position_ids.shape[-1]]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def token_lengths(position_ids: torch.Tensor) -> torch.Tensor:
+    """For each token of a [B, T] batch, the length of the example it belongs to."""
+    example = torch.cumsum(starts(position_ids).flatten(), 0) - 1  # one id per example across the batch
+    return torch.bincount(example)[example].view_as(position_ids)

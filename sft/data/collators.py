@@ -1,0 +1,75 @@
+"""Collators that keep packed examples apart: padded [B, L] rows (PackedCollator) or one flattened row
+(PaddingFreeCollator). Both find examples with sft.data.boundaries and never let a label be predicted across one.
+
+Neither passes an attention_mask: transformers then derives a block-diagonal causal mask from the restarting
+position_ids (see sft.data.packing and check_packing_supported for where that holds).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DataCollatorWithFlattening
+
+from sft.data.boundaries import row_positions, spans, starts
+from sft.data.encode import IGNORE_INDEX
+
+
+def example_row(feature: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, labels and position_ids of one (packed or plain) row; example starts get label -100."""
+    ids = torch.as_tensor(feature["input_ids"], dtype=torch.long)
+    labels = feature.get("labels")
+    labels = ids.clone() if labels is None else torch.tensor(labels, dtype=torch.long)  # a copy: we edit it
+    pos = row_positions(feature, ids.numel())
+    if not ids.numel() == labels.numel() == pos.numel():
+        raise ValueError(f"row lengths disagree: input_ids {ids.numel()}, labels {labels.numel()}, "
+                         f"positions {pos.numel()}")
+    labels[starts(pos)] = IGNORE_INDEX  # nothing may be predicted across an example boundary
+    return ids, labels, pos
+
+
+@dataclass
+class PackedCollator:
+    """Packed rows as a [B, L] batch for eager / sdpa / flex attention: right-padded, no attention_mask.
+
+    position_ids restart at every example (the padding is one more example), which transformers turns into a
+    block-diagonal causal mask as long as attention_mask is None and no KV cache is built (use_cache=False).
+    """
+
+    pad_token_id: int = 0
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        """Collate rows into input_ids, labels and position_ids tensors of shape [B, L]."""
+        rows = [example_row(f) for f in features]
+        width = max(ids.numel() for ids, _, _ in rows)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        pos = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (row_ids, row_labels, row_pos) in enumerate(rows):
+            n = row_ids.numel()
+            ids[i, :n], labels[i, :n], pos[i, :n] = row_ids, row_labels, row_pos
+            pos[i, n:] = torch.arange(width - n)  # its own example: real tokens never attend to padding
+        return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+class PaddingFreeCollator(DataCollatorWithFlattening):
+    """transformers' DataCollatorWithFlattening that also takes packed rows, split at their examples first.
+
+    All examples of a batch become one [1, total] row with position_ids restarting per example; cu_seq_lens_q/k
+    (int32) and max_length_q/k (int), on by default here, let flash attention run its varlen kernel. Eager / sdpa /
+    flex derive a block-diagonal mask from the position_ids.
+    """
+
+    def __init__(self, return_flash_attn_kwargs: bool = True, **kwargs) -> None:
+        super().__init__(return_flash_attn_kwargs=return_flash_attn_kwargs, **kwargs)
+
+    def __call__(self, features: list[dict], return_tensors: str | None = None,
+                 separator_id: int | None = None) -> dict[str, torch.Tensor | int]:
+        """Collate rows into one flattened row (plus flash-attention boundary kwargs)."""
+        examples = []
+        for feature in features:
+            ids, labels, pos = example_row(feature)
+            examples += [{"input_ids": ids[a:b], "labels": labels[a:b]} for a, b in spans(pos)]
+        return super().__call__(examples, return_tensors, separator_id)
