@@ -1,9 +1,7 @@
 """Chat rows -> Rendered examples: the chat template's text plus the character spans of the assistant turns to train.
 
-Formats: OpenAI-style `messages` (role/content, tool_calls, tool_call_id, reasoning_content / thinking; an optional
-`tools` column), ShareGPT `conversations` (from/value), and conversational prompt/completion (`prompt` and
-`completion` are message lists; only completion turns are trained). A message with `train: false` (or `weight: 0`)
-is context, not target.
+The row's messages come from sft.data.messages (OpenAI `messages`, ShareGPT `conversations`, conversational
+prompt/completion; `train: false` or `weight: 0` marks context).
 
 The rule, for every template: a trained assistant turn i is exactly what the model must generate after the
 generation prompt. Its text is the rendering F of messages[:i+1]; it starts where P = render(messages[:i],
@@ -17,7 +15,6 @@ it is trained there; otherwise (the template renders history differently) the `h
 reasoning or tool calls the template does not render raises SFTError naming the row.
 """
 
-import difflib
 import json
 import logging
 import re
@@ -31,15 +28,10 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 from sft.data.chat_templates import PRESETS, REPLY_MARK, resolve_chat_template, stop_tokens
 from sft.errors import SFTError
 from sft.data.formats import Rendered
+from sft.data.messages import Message, Row, conversation
 
-ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {
-    "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-    "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool",
-}
 NO_ASSISTANT_TURN = ("error", "drop")
 HISTORY = ("split", "last", "error")
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names reasoning traces come under
 THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written inside the content
 EMPTY_THINK = re.compile(r"<think>\s*</think>")  # what reasoning templates write for a turn without reasoning
 READS_REASONING = re.compile(r"reasoning_content|\.thinking\b|\[['\"]thinking['\"]\]")  # a template reading it
@@ -47,34 +39,6 @@ READS_REASONING = re.compile(r"reasoning_content|\.thinking\b|\[['\"]thinking['\
 TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Row:
-    """Where a row comes from, to word errors: what is wrong, where, how to fix."""
-
-    where: str
-    number: int
-
-    def error(self, what: str, fix: str, label: str | None = None) -> SFTError:
-        at = f", {label}" if label else ""
-        return SFTError(f"Dataset {self.where}, row {self.number}{at}: {what}. {fix}")
-
-
-@dataclass
-class _Message:
-    """A normalised message: what the template sees, whether it is trained, its name in the row, and the answer
-    and reasoning text that must appear in what the template renders for it."""
-
-    data: dict
-    trained: bool
-    label: str
-    answer: str = ""
-    reasoning: str = ""
-
-    @property
-    def role(self) -> str:
-        return self.data["role"]
 
 
 @dataclass
@@ -128,7 +92,7 @@ class ChatRenderer:
     def render_row(self, row: dict, where: str, row_number: int) -> list[Rendered]:
         """The row's examples: usually one; one per trained turn the template renders differently in history
         (history: split); none when the row has no assistant turn and no_assistant_turn is drop."""
-        ctx = _Row(where, row_number)
+        ctx = Row(where, row_number)
         messages, tools = self._conversation(row, ctx)
         if not any(m.role == "assistant" for m in messages):
             if self.no_assistant_turn == "drop":
@@ -142,7 +106,7 @@ class ChatRenderer:
         turns = {i: self._turn(messages, tools, i, text, ctx) for i in sorted(trained)}
         return self._examples(messages, turns, text, ctx)
 
-    def _examples(self, messages: list[_Message], turns: dict[int, _Turn], text: str, ctx: _Row) -> list[Rendered]:
+    def _examples(self, messages: list[Message], turns: dict[int, _Turn], text: str, ctx: Row) -> list[Rendered]:
         """Turns that render inside the whole conversation share one example; the others follow `history`."""
         if turns and turns[max(turns)].text.startswith(text):
             text = turns[max(turns)].text  # the final turn, completed with the stop token the template omits
@@ -162,7 +126,7 @@ class ChatRenderer:
             extra.split = True  # the row's examples beyond the first, counted by `sft data`
         return examples
 
-    def _turn(self, messages: list[_Message], tools: list[dict] | None, i: int, text: str, ctx: _Row) -> _Turn:
+    def _turn(self, messages: list[Message], tools: list[dict] | None, i: int, text: str, ctx: Row) -> _Turn:
         """Assistant turn i rendered as the last message: what the model generates after the generation prompt."""
         data = [m.data for m in messages]
         prompt = self._render(data[:i], tools, True, ctx)
@@ -180,7 +144,7 @@ class ChatRenderer:
         self._check_rendered(final[start:stop.start()], messages[i], ctx)
         return _Turn(final, start, stop.end(), _kinds(final, start, stop.start(), stop.end(), messages[i]))
 
-    def _align(self, prompt: str, final: str, messages: list[_Message], i: int, ctx: _Row) -> tuple[str, int]:
+    def _align(self, prompt: str, final: str, messages: list[Message], i: int, ctx: Row) -> tuple[str, int]:
         """The turn's example text and where the generated part starts in it.
 
         The prompt is a prefix of the turn's rendering (the usual case): the answer starts where it ends. Where
@@ -207,7 +171,7 @@ class ChatRenderer:
                             "(e.g. a preset), or set `assistant_only_loss: false`.", messages[i].label)
         return final, start
 
-    def _with_stop(self, data: list[dict], tools: list[dict] | None, i: int, final: str, ctx: _Row) -> str:
+    def _with_stop(self, data: list[dict], tools: list[dict] | None, i: int, final: str, ctx: Row) -> str:
         """`final` plus the stop token the template writes after turn i when the conversation goes on (GLM: the
         next role tag, <|user|> or <|observation|>); unchanged when it writes none."""
         follower = ({"role": "tool", "content": "…"} if data[i].get("tool_calls") else {"role": "user", "content": "…"})
@@ -223,7 +187,7 @@ class ChatRenderer:
         between = longer[len(final):stop.start()] if at == len(final) else ""
         return final + (between if not between.strip() else "") + stop.group()
 
-    def _check_rendered(self, generated: str, message: _Message, ctx: _Row) -> None:
+    def _check_rendered(self, generated: str, message: Message, ctx: Row) -> None:
         """The answer, reasoning and tool calls of the message must all be in what the template renders for it."""
         dropped = [what for what, text in (("content", message.answer), ("reasoning", message.reasoning))
                    if text.strip() and text.strip() not in generated]
@@ -234,8 +198,8 @@ class ChatRenderer:
                             "in the turn the model generates, so it cannot be trained", "Use a chat_template that "
                             "supports it, or remove it from the data.", message.label)
 
-    def _whole_text(self, messages: list[_Message], tools: list[dict] | None, text: str, trained: set[int],
-                    ctx: _Row) -> Rendered:
+    def _whole_text(self, messages: list[Message], tools: list[dict] | None, text: str, trained: set[int],
+                    ctx: Row) -> Rendered:
         """assistant_only_loss: false: the whole rendering, minus the assistant turns that are not trained."""
         untrained = [i for i, m in enumerate(messages) if m.role == "assistant" and i not in trained]
         spans = []
@@ -246,18 +210,14 @@ class ChatRenderer:
             spans.append((start, stop.end() if stop else len(text)))
         return Rendered(text, _complement(spans, len(text)), append_eos=False, add_special_tokens=False)
 
-    def _conversation(self, row: dict, ctx: _Row) -> tuple[list[_Message], list[dict] | None]:
-        """The row's messages (normalised and validated) and its tool list."""
-        messages = _row_messages(row, ctx)
-        system = row.get("system")
-        if isinstance(system, str) and system.strip() and not (messages and messages[0].role == "system"):
-            messages.insert(0, _Message({"role": "system", "content": system}, False, "system"))
-        _validate(messages, ctx)
+    def _conversation(self, row: dict, ctx: Row) -> tuple[list[Message], list[dict] | None]:
+        """The row's messages, prepared for this template, and its tool list."""
+        messages, tools = conversation(row, ctx)
         for message in messages:
             self._prepare(message)
-        return messages, _tools(row.get("tools"), ctx)
+        return messages, tools
 
-    def _prepare(self, message: _Message) -> None:
+    def _prepare(self, message: Message) -> None:
         """Reasoning under the names templates read; a <think> block in the content moves there when the template
         reads reasoning fields (others render the content verbatim, think block included)."""
         data = message.data
@@ -279,7 +239,7 @@ class ChatRenderer:
                 arguments = call["function"]["arguments"]
                 call["function"]["arguments"] = arguments if isinstance(arguments, str) else json.dumps(arguments)
 
-    def _trained_turns(self, messages: list[_Message]) -> set[int]:
+    def _trained_turns(self, messages: list[Message]) -> set[int]:
         """Indices of the assistant messages whose tokens are trained."""
         trained = [i for i, m in enumerate(messages) if m.role == "assistant" and m.trained]
         if self.train_on_last_turn_only:
@@ -317,7 +277,7 @@ class ChatRenderer:
         except TEMPLATE_ERRORS:
             return False
 
-    def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, ctx: _Row) -> str:
+    def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, ctx: Row) -> str:
         """The template's text for `messages`; template errors become SFTError naming the row.
 
         The compiled template is called directly with what apply_chat_template passes (the special tokens): the
@@ -340,7 +300,7 @@ def _example(text: str, turns: list[_Turn]) -> Rendered:
                     kinds=[k for t in turns for k in t.kinds])
 
 
-def _kinds(text: str, start: int, stop: int, end: int, message: _Message) -> list[tuple[int, int, str]]:
+def _kinds(text: str, start: int, stop: int, end: int, message: Message) -> list[tuple[int, int, str]]:
     """Labelled pieces of a trained turn [start, end): reasoning, answer, tool_call, channel (other markup the
     model writes: <|channel|>final<|message|>, <|END_RESPONSE|>, ...) and end (the stop token)."""
     marks = [(stop, end, "end")]
@@ -392,174 +352,6 @@ def _warn_split_tokens(tokenizer: PreTrainedTokenizerBase, preset: str) -> None:
                     "may then merge with the newline after it). Add them with "
                     "sft.data.chat_templates.prepare_tokenizer_for_template and resize the embeddings.",
                     preset, ", ".join(split))
-
-
-def _row_messages(row: dict, ctx: _Row) -> list[_Message]:
-    """The row's messages from whichever chat column it has."""
-    if row.get("messages") is not None:
-        return [_openai_message(m, f"messages[{k}]", True, ctx) for k, m in enumerate(_as_list(row, "messages", ctx))]
-    if row.get("conversations") is not None:
-        turns = _as_list(row, "conversations", ctx)
-        if all(isinstance(t, dict) and "role" in t and "from" not in t for t in turns):  # role/content under this name
-            return [_openai_message(m, f"conversations[{k}]", True, ctx) for k, m in enumerate(turns)]
-        return _sharegpt_messages(turns, ctx)
-    if isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
-        prompt = [_openai_message(m, f"prompt[{k}]", False, ctx) for k, m in enumerate(row["prompt"])]
-        return prompt + [_openai_message(m, f"completion[{k}]", True, ctx) for k, m in enumerate(row["completion"])]
-    raise ctx.error("no chat column: expected `messages` (role/content), `conversations` (ShareGPT from/value) "
-                    "or `prompt` and `completion` message lists", "Map your column with `columns:` or set "
-                    "`dataset_format`.")
-
-
-def _as_list(row: dict, key: str, ctx: _Row) -> list:
-    """A non-empty list column, or an error."""
-    value = row[key]
-    if not isinstance(value, list) or not value:
-        kind = "empty" if isinstance(value, list) else f"a {type(value).__name__}, not a list of messages"
-        raise ctx.error(f"`{key}` is {kind}", "Fix or remove the row.")
-    return value
-
-
-def _openai_message(raw: Any, label: str, trainable: bool, ctx: _Row) -> _Message:
-    """One role/content message, normalised: null fields dropped, content a string, tool calls OpenAI-shaped."""
-    if not isinstance(raw, dict):
-        raise ctx.error(f"a message must be an object with role and content, got {type(raw).__name__}",
-                        "Fix or remove the row.", label)
-    role = raw.get("role")
-    if role not in ROLES:
-        close = difflib.get_close_matches(str(role), ROLES, n=1)
-        hint = f" (did you mean `{close[0]}`?)" if close else ""
-        raise ctx.error(f"unknown role {role!r}{hint}; roles are {', '.join(ROLES)}",
-                        "Fix the role, or map ShareGPT data with `dataset_format: sharegpt`.", label)
-    data: dict[str, Any] = {"role": role, "content": _content(raw.get("content"), label, ctx)}
-    if raw.get("tool_calls"):
-        data["tool_calls"] = [_tool_call(c, label, ctx) for c in raw["tool_calls"]]
-    for key in ("tool_call_id", "name"):
-        if isinstance(raw.get(key), str):
-            data[key] = raw[key]
-    reasoning = next((raw[k] for k in REASONING_FIELDS if isinstance(raw.get(k), str) and raw[k].strip()), None)
-    if reasoning is not None and role == "assistant":
-        data["reasoning_content"] = reasoning
-    return _Message(data, trainable and _wants_training(raw), label)
-
-
-def _content(value: Any, label: str, ctx: _Row) -> str:
-    """Message content as a string: null is empty, a list of text parts is joined."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in value):
-        return "".join(p["text"] for p in value)
-    raise ctx.error(f"content is a {type(value).__name__}, not a string", "Store message content as text.", label)
-
-
-def _wants_training(raw: dict) -> bool:
-    """False for a message marked `train: false` or `weight: 0`."""
-    return raw.get("train") is not False and raw.get("weight") not in (0, 0.0)
-
-
-def _tool_call(raw: Any, label: str, ctx: _Row) -> dict:
-    """An OpenAI-shaped tool call {type, function: {name, arguments}, id?}; JSON-string arguments are parsed."""
-    fn = raw.get("function", raw) if isinstance(raw, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise ctx.error("a tool call needs a function name ({\"function\": {\"name\": ..., \"arguments\": ...}})",
-                        "Fix the tool call.", label)
-    call = {"type": "function", "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))}}
-    if isinstance(raw.get("id"), str):
-        call["id"] = raw["id"]
-    return call
-
-
-def _arguments(value: Any) -> Any:
-    """Tool-call arguments as a dict where possible (templates serialise them with tojson)."""
-    if isinstance(value, str):
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            return value
-        return parsed if isinstance(parsed, dict) else value
-    return _drop_nulls(value) if value is not None else {}
-
-
-def _drop_nulls(value: Any) -> Any:
-    """Remove null entries from dicts: Arrow fills keys absent from a row with null when it unifies structs."""
-    if isinstance(value, dict):
-        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_nulls(v) for v in value]
-    return value
-
-
-def _sharegpt_messages(turns: list, ctx: _Row) -> list[_Message]:
-    """ShareGPT from/value turns as messages; function_call -> assistant tool call, observation -> tool result."""
-    messages: list[_Message] = []
-    pending: list[str] = []  # ids of tool calls awaiting their result
-    for k, turn in enumerate(turns):
-        label = f"conversations[{k}]"
-        speaker = turn.get("from") if isinstance(turn, dict) else None
-        if speaker not in SHAREGPT_ROLES:
-            raise ctx.error(f"unknown `from` value {speaker!r}; expected one of {', '.join(SHAREGPT_ROLES)}",
-                            "Fix the turn or map it to one of these names.", label)
-        role, value = SHAREGPT_ROLES[speaker], turn.get("value")
-        raw: dict[str, Any] = {"role": role, "content": value, "train": turn.get("train"), "weight": turn.get("weight"),
-                               **{key: turn[key] for key in REASONING_FIELDS if key in turn}}
-        if speaker == "function_call":
-            call = _sharegpt_call(value, f"call{k:05d}", label, ctx)  # 9-character ids, as Mistral v0.3 needs
-            raw.update(content=None, tool_calls=[call])
-            pending.append(call["id"])
-        elif role == "tool" and pending:
-            raw["tool_call_id"] = pending.pop(0)
-        messages.append(_openai_message(raw, label, True, ctx))
-    return messages
-
-
-def _sharegpt_call(value: Any, call_id: str, label: str, ctx: _Row) -> dict:
-    """A function_call turn's JSON {"name": ..., "arguments": ...} as an OpenAI tool call."""
-    try:
-        parsed = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError:
-        parsed = None
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
-        raise ctx.error("a function_call value must be JSON {\"name\": ..., \"arguments\": {...}}",
-                        "Fix the turn, or use `from: gpt` for a plain answer.", label)
-    return {"id": call_id, "function": {"name": parsed["name"], "arguments": parsed.get("arguments", {})}}
-
-
-def _tools(value: Any, ctx: _Row) -> list[dict] | None:
-    """The row's tool schemas (a list or a JSON string), each wrapped as {"type": "function", "function": ...}."""
-    if value is None or value == "" or value == []:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ctx.error(f"`tools` is not valid JSON ({exc})", "Fix the tools column.", "tools") from None
-    else:
-        value = _drop_nulls(value)
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise ctx.error("`tools` must be a list of function schemas", "Fix the tools column.", "tools")
-    return [t if "function" in t else {"type": "function", "function": t} for t in value] or None
-
-
-def _validate(messages: list[_Message], ctx: _Row) -> None:
-    """Empty content, a conversation that does not open with a user message, tool results after a user turn.
-
-    A tool result may follow an assistant message without structured tool_calls: Hermes-style data writes the
-    call as text (<tool_call>...</tool_call>) in the content.
-    """
-    for k, message in enumerate(messages):
-        has_calls = bool(message.data.get("tool_calls"))
-        if not message.data["content"].strip() and not has_calls:
-            raise ctx.error(f"{message.role} message has empty content", "Fix or remove the row.", message.label)
-        if message.role == "tool" and (k == 0 or messages[k - 1].role not in ("assistant", "tool")):
-            raise ctx.error("a tool result must follow the assistant message that called the tool (or another "
-                            "tool result)", "Add the tool call or remove the tool message.", message.label)
-    first = next((m for m in messages if m.role != "system"), None)
-    if first is not None and first.role != "user":
-        raise ctx.error(f"the first message after the system prompt is from the {first.role}; a conversation "
-                        "must open with a user message", "Remove the leading message or add the user's "
-                        "prompt before it.", first.label)
 
 
 def _skip_space(text: str, pos: int) -> int:

@@ -22,8 +22,8 @@ from typing import Any, Callable
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from sft.data.chat import REASONING_FIELDS, SHAREGPT_ROLES
 from sft.data.chat_templates import generation_eos, stop_token_ids
+from sft.data.messages import REASONING_FIELDS, SHAREGPT_ROLES
 from sft.data.encode import IGNORE_INDEX
 from sft.data.formats import CHAT_FORMATS
 from sft.data.show import show_examples
