@@ -5,7 +5,7 @@ import pytest
 from conftest import REPO
 from sft.training.catalog import list_recipes
 from sft.cli.main import main
-from sft.check.smoke import guess_model_type
+from sft.models.families import guess_model_type
 
 RECIPES = list_recipes(REPO / "recipes")
 

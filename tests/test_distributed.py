@@ -10,7 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from conftest import REPO
 from sft.cli.main import main
 from sft.config.arguments import SFTConfig
-from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, PRESETS, WRAP_CLASSES
+from sft.models.families import family
+from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, PRESETS
 from sft.errors import SFTError
 from sft.cli.launch import launch_command, split_arguments
 from sft.training.recipe import FIELDS, load_recipe, resolved_recipe
@@ -23,7 +24,7 @@ ARCHITECTURES = {  # model_type: (tiny config fields, the classes FSDP must wrap
     "qwen2": (SMALL, ["Qwen2DecoderLayer"]),
     "gpt2": (dict(n_embd=16, n_layer=1, n_head=2, n_positions=64, vocab_size=64), ["GPT2Block"]),
     "t5": (dict(d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2, vocab_size=64), ["T5Block"]),
-    # not in WRAP_CLASSES: resolved from the model class's _no_split_modules
+    # no wrap classes in sft.models.families: resolved from the model class's _no_split_modules
     "opt": (dict(hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2, word_embed_proj_dim=16,
                  vocab_size=64), ["OPTDecoderLayer"]),
 }
@@ -44,7 +45,7 @@ def test_fsdp_preset_wraps_the_decoder_layer_class_of_each_architecture(tmp_path
     expected = ARCHITECTURES[model_type][1]
     assert config.fsdp_config["transformer_layer_cls_to_wrap"] == expected
     assert config.fsdp_plugin_args["transformer_cls_names_to_wrap"] == ",".join(expected)
-    assert (model_type in WRAP_CLASSES) == (model_type != "opt")
+    assert bool(family(model_type).wrap) == (model_type != "opt")
     # the names are real classes of that model, so accelerate finds them when it wraps
     model_config = AutoConfig.from_pretrained(folder)
     auto = AutoModelForSeq2SeqLM if model_config.is_encoder_decoder else AutoModelForCausalLM

@@ -12,10 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorWithFlatt
 
 from sft.data.bins import best_fit_decreasing, exact_fit_decreasing, n_bins, pack_bins
 from sft.data.collators import PackedCollator, PaddingFreeCollator
-from sft.data.packing import (
-    NO_PACKING_MODEL_TYPES, PACKING_MODEL_TYPES, check_packing_supported, estimate_packing, pack_dataset,
-    pack_dataset_with_stats,
-)
+from sft.data.packing import estimate_packing, pack_dataset, pack_dataset_with_stats
+from sft.models.families import check_packing_supported, packing_families
 
 from conftest import FIXTURES
 
@@ -393,14 +391,14 @@ def leak(model_type: str) -> float:
     return (packed - ref).abs().max().item()
 
 
-@pytest.mark.parametrize("model_type", sorted(PACKING_MODEL_TYPES))
+@pytest.mark.parametrize("model_type", packing_families(True))
 def test_supported_families_isolate_packed_examples(model_type):
     # sdpa where the family has it, else eager (both go through the same sdpa_mask builder)
     check_packing_supported(family_config(model_type), "sdpa")
     assert leak(model_type) < 1e-5
 
 
-@pytest.mark.parametrize("model_type", sorted(NO_PACKING_MODEL_TYPES))
+@pytest.mark.parametrize("model_type", packing_families(False))
 def test_rejected_families_really_leak(model_type):
     with pytest.raises(ValueError, match="not supported"):
         check_packing_supported(family_config(model_type), "eager")
@@ -418,3 +416,5 @@ def test_check_packing_supported_attention_rules():
         check_packing_supported(config, "paged|sdpa")
     with pytest.raises(ValueError, match="not verified"):
         check_packing_supported(AutoConfig.for_model("qwen2_vl"), "sdpa")
+    with pytest.raises(ValueError, match="need a decoder-only model; t5 is an encoder-decoder"):
+        check_packing_supported(AutoConfig.for_model("t5"), "sdpa")

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from sft.models.architectures import model_architecture
+from sft.models.families import guess_model_type
 from sft.training.catalog import shipped
 from sft.data.chat_templates import generation_eos
 from sft.config.arguments import SFTConfig
@@ -28,10 +28,6 @@ EMBEDDED_TOKENIZER = DATA / "models" / "tiny-llama"
 SAMPLE_ROWS = 64  # enough for 2 steps and a short eval; keeps the check to seconds
 SAMPLES = {"messages": "chat_sample.jsonl", "alpaca": "alpaca_sample.json", "seq2seq": "seq2seq_sample.jsonl",
            "text": "alpaca_sample.json", "prompt_completion": "alpaca_sample.json"}
-# Architectures guessed from a Hub id when its config cannot be fetched (offline check before renting a GPU).
-NAME_HINTS = (("mixtral", "mixtral"), ("mistral", "mistral"), ("zephyr", "mistral"), ("qwen3", "qwen3"),
-              ("qwen", "qwen2"), ("gemma-2", "gemma2"), ("gemma", "gemma"), ("phi-3", "phi3"), ("t5", "t5"),
-              ("bart", "bart"), ("gpt-neox", "gpt_neox"), ("pythia", "gpt_neox"), ("gpt2", "gpt2"), ("llama", "llama"))
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
             n_embd=64, n_layer=2, n_head=4, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -117,19 +113,6 @@ def sample_data(config: SFTConfig, report: CheckReport) -> dict:
 def guess_format(config: SFTConfig) -> str:
     """The format a recipe implies when it says `auto` and its data is out of reach."""
     return "messages" if config.chat_template else "alpaca"
-
-
-def guess_model_type(name: str) -> str:
-    """The model_type of `name`: from its config (local, cached or built in before the Hub), else from its name."""
-    try:
-        return model_architecture(name).model_type
-    except SFTError:
-        pass
-    lowered = name.lower()
-    for hint, model_type in NAME_HINTS:
-        if hint in lowered:
-            return model_type
-    raise SFTError(f"sft check cannot tell the architecture of {name} offline; run it where the Hub is reachable.")
 
 
 def tiny_model(config: SFTConfig, report: CheckReport, folder: Path) -> dict:

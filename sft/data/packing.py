@@ -1,11 +1,11 @@
-"""Packing: tokenized examples packed into rows of max_length tokens (bins from sft.data.bins), their stats, and
-which models keep packed examples apart (the collators are in sft.data.collators).
+"""Packing: tokenized examples packed into rows of max_length tokens (bins from sft.data.bins) and their stats (the
+collators are in sft.data.collators).
 
 Isolation of packed examples relies on transformers' packed-sequence detection (masking_utils,
 `find_packed_sequence_indices`): when a model is called with restarting `position_ids`, `attention_mask=None`
 and no KV cache (`use_cache=False`), eager / sdpa / flex build a block-diagonal causal mask, and flash
-attention switches to its varlen kernel for a single flattened row. `check_packing_supported` encodes where
-that holds.
+attention switches to its varlen kernel for a single flattened row. Which model families and attention
+implementations that holds for is sft.models.families.check_packing_supported's.
 """
 
 from dataclasses import asdict, dataclass
@@ -16,7 +16,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 from datasets.table import InMemoryTable
-from transformers import PreTrainedConfig
 
 from sft.data.bins import n_bins, pack_bins
 from sft.data.boundaries import positions
@@ -154,48 +153,3 @@ def pack_dataset_with_stats(ds: datasets.Dataset, max_length: int, strategy: str
 def pack_dataset(ds: datasets.Dataset, max_length: int, strategy: str = "bfd", seed: int = 0) -> datasets.Dataset:
     """Pack a tokenized dataset into rows of at most max_length tokens (see pack_dataset_with_stats)."""
     return pack_dataset_with_stats(ds, max_length, strategy, seed)[0]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Which models and attention implementations keep packed examples apart
-# ---------------------------------------------------------------------------------------------------------------
-
-# Decoders that hand position_ids to transformers' mask builders (create_causal_mask & co.), so restarting
-# positions isolate packed examples. Each one is checked on a tiny model by tests/test_packing.py; add a
-# model_type here only with such a check.
-PACKING_MODEL_TYPES: set[str] = {
-    "llama", "mistral", "mixtral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
-    "gemma3_text", "phi", "phi3", "gpt_neox", "gpt2", "gpt_bigcode", "gptj", "codegen", "starcoder2", "olmo2",
-    "olmo3", "granite", "granitemoe", "cohere", "cohere2", "stablelm", "smollm3", "glm4", "exaone4", "llama4_text",
-}
-# Families that build their causal mask without position_ids (several also add ALiBi from the attention mask):
-# packed examples would attend to each other.
-NO_PACKING_MODEL_TYPES: set[str] = {"opt", "bloom", "mpt", "falcon", "gpt_oss"}
-MASK_ATTENTION = ("eager", "sdpa", "flex_attention")  # block-diagonal mask from position_ids, any batch size
-
-
-def check_packing_supported(model_config: PreTrainedConfig, attn_implementation: str | None = None,
-                            flattened: bool = False) -> None:
-    """Raise ValueError unless the model family and attention implementation keep packed examples apart.
-
-    flattened: the batch is one row (PaddingFreeCollator), which flash attention needs to see the boundaries.
-    Either way the model must run with use_cache=False and without an attention_mask.
-    """
-    model_type = getattr(model_config, "model_type", None)
-    attn = attn_implementation or getattr(model_config, "_attn_implementation", None) or "sdpa"
-    if model_type in NO_PACKING_MODEL_TYPES:
-        raise ValueError(f"Packing is not supported for {model_type} models: they build the attention mask without "
-                         "position_ids, so packed examples would attend to each other. Set packing: false.")
-    if model_type not in PACKING_MODEL_TYPES:
-        raise ValueError(f"Packing / padding-free training is not verified for model_type {model_type!r}: its "
-                         "attention might let packed examples see each other. Verified families: "
-                         f"{', '.join(sorted(PACKING_MODEL_TYPES))}. Set packing: false and padding_free: false.")
-    if attn in MASK_ATTENTION:
-        return
-    if "flash" in attn and "paged" not in attn:  # paged attention serves generation, not training batches
-        if not flattened:
-            raise ValueError(f"{attn} separates packed examples only in a single flattened row: use padding_free "
-                             "(PaddingFreeCollator, which passes cu_seq_lens) or attn_implementation sdpa.")
-        return
-    raise ValueError(f"attn_implementation {attn!r} cannot isolate packed examples; use one of "
-                     f"{', '.join(MASK_ATTENTION)} (or flash attention with padding_free).")

@@ -17,8 +17,9 @@ from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
 from sft.data.formats import CHAT_FORMATS
 from sft.evaluation.metrics import resolve_metrics
 from sft.data.tokenizer import load_tokenizer
+from sft.models.families import check_packing_supported
 from sft.models.loading import load_model, load_model_config
-from sft.data.packing import check_packing_supported, pack_dataset, pack_dataset_with_stats
+from sft.data.packing import pack_dataset, pack_dataset_with_stats
 from sft.evaluation.predict import answer_offsets
 from sft.models.quantization import check_quantization
 from sft.training.recipe import save_recipe
@@ -96,12 +97,8 @@ def apply_packing(config: SFTConfig, train_set: datasets.Dataset, eval_set: data
 
 def check_packing_model(config: SFTConfig) -> None:
     """Refuse packing / padding-free batches for models or attention backends that would mix examples."""
-    model_config = load_model_config(config)
-    if model_config.is_encoder_decoder:
-        raise SFTError(f"packing and padding_free need a decoder-only model; {model_config.model_type} is an "
-                       "encoder-decoder. Set packing: false and padding_free: false.")
     try:
-        check_packing_supported(model_config, config.attn_implementation, flattened=config.padding_free)
+        check_packing_supported(load_model_config(config), config.attn_implementation, flattened=config.padding_free)
     except ValueError as err:
         raise SFTError(str(err)) from None
 

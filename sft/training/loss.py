@@ -19,12 +19,10 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.utils import ModelOutput
 
 from sft.data.encode import IGNORE_INDEX
+from sft.models.families import has_plain_head
 
 MIN_CHUNK_ROWS = 128  # below this the head matmuls get inefficient
 CHUNK_ELEMENTS = 1 << 23  # logits per chunk (32 MB in fp32): a few rows for big vocabularies, more for small ones
-# Architectures whose logits are exactly lm_head(decoder(x)): no soft-capping or scaling after the head.
-PLAIN_HEAD_MODELS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma",
-                     "olmo", "olmo2", "starcoder2"}
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -84,11 +82,8 @@ def supports_chunked_loss(model: nn.Module) -> bool:
     """Whether `model` is a causal LM whose logits are a plain linear head over its decoder's output."""
     if not isinstance(model, PreTrainedModel):  # SFTTrainer also takes plain nn.Modules, as Trainer does
         return False
-    config = model.config
     head = model.get_output_embeddings()
-    router_loss = getattr(config, "output_router_logits", False)  # MoE aux loss is added after the head
-    return (not config.is_encoder_decoder and config.model_type in PLAIN_HEAD_MODELS and not router_loss
-            and type(head) is nn.Linear and head.bias is None)
+    return has_plain_head(model.config) and type(head) is nn.Linear and head.bias is None
 
 
 @dataclass

@@ -10,11 +10,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from transformers import (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, PretrainedConfig,
-                          Trainer)
+from transformers import Trainer
 
 from sft.models.adapters import base_model_name, is_adapter_folder
 from sft.models.architectures import model_architecture
+from sft.models.families import wrap_classes
 from sft.training.catalog import shipped
 from sft.errors import SFTError
 
@@ -24,21 +24,6 @@ PRESETS = ("ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload")
 ACCELERATE_CONFIGS = {name: RECIPES / "accelerate" / f"{name}.yaml" for name in PRESETS}
 DEEPSPEED_CONFIGS = {name: RECIPES / "deepspeed" / f"{name}.json" for name in ("zero2", "zero3", "zero3_offload")}
 
-# The block FSDP shards and checkpoints as one unit, by model_type; other models use their _no_split_modules.
-WRAP_CLASSES = {
-    "llama": ["LlamaDecoderLayer"],
-    "mistral": ["MistralDecoderLayer"],
-    "mixtral": ["MixtralDecoderLayer"],
-    "qwen2": ["Qwen2DecoderLayer"],
-    "qwen3": ["Qwen3DecoderLayer"],
-    "gemma": ["GemmaDecoderLayer"],
-    "gemma2": ["Gemma2DecoderLayer"],
-    "phi3": ["Phi3DecoderLayer"],
-    "gpt_neox": ["GPTNeoXLayer"],
-    "gpt2": ["GPT2Block"],
-    "t5": ["T5Block"],
-    "bart": ["BartEncoderLayer", "BartDecoderLayer"],
-}
 # FSDP2, one unit per layer. Checkpoints are sharded (each rank writes its shard: fast, resumable); the final
 # model is saved whole by prepare_final_save. RAM-efficient loading (rank 0 reads the weights, then broadcasts)
 # stays off by default: it is the fragile path in transformers/accelerate and only pays off for 30B+ models.
@@ -109,7 +94,7 @@ def fsdp_settings(values: dict, preset: str) -> dict:
     user = fsdp_config_dict(values.get("fsdp_config"))
     config = dict(FSDP_PRESETS[preset])
     if "transformer_layer_cls_to_wrap" not in user:
-        wrap = wrap_classes(values)
+        wrap = recipe_wrap_classes(values)
         if wrap:
             config["transformer_layer_cls_to_wrap"] = wrap
     out: dict[str, Any] = {"fsdp": values.get("fsdp") or True}
@@ -134,8 +119,9 @@ def compute_dtype_name(values: dict) -> str:
     return "bfloat16" if values.get("bf16") else "float16" if values.get("fp16") else "float32"
 
 
-def wrap_classes(values: dict) -> list[str] | None:
-    """The layer classes FSDP wraps for the recipe's model, from its config (no weights are read)."""
+def recipe_wrap_classes(values: dict) -> list[str] | None:
+    """The layer classes FSDP wraps for the recipe's model (sft.models.families), from its config (no weights are
+    read)."""
     name = values.get("model_name_or_path")
     if not name:
         return None
@@ -148,17 +134,7 @@ def wrap_classes(values: dict) -> list[str] | None:
         # accelerate falls back to the model's _no_split_modules when it wraps, which is what we would pick too
         log.warning("%s FSDP will wrap the model's _no_split_modules.", err)
         return None
-    return WRAP_CLASSES.get(config.model_type) or no_split_modules(config)
-
-
-def no_split_modules(config: PretrainedConfig) -> list[str] | None:
-    """`_no_split_modules` of the transformers class for this config (None for remote-code or unknown models)."""
-    mapping = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING if config.is_encoder_decoder else MODEL_FOR_CAUSAL_LM_MAPPING
-    try:
-        model_class = mapping[type(config)]
-    except KeyError:
-        return None
-    return list(model_class._no_split_modules or []) or None
+    return wrap_classes(config)
 
 
 def zero_stage(deepspeed: dict | str | None) -> int | None:
