@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_plan import SWEEP, planned_and_traced, recipe  # noqa: E402
 
-from sft.planning import plan as planner  # noqa: E402
+from sft.planning import memory, plan as planner  # noqa: E402
 
 from sft.models.architectures import known_config  # noqa: E402
 from sft.planning.memtrace import trace_step  # noqa: E402
@@ -25,7 +25,7 @@ def eval_planned_and_traced(values: dict, arch) -> tuple[float, float]:
                           "per_device_eval_batch_size": values["per_device_train_batch_size"]})
     setup = planner.setup_of(config, 1, 1)
     trace = trace_step(config, arch, evaluate=True)
-    planned = planner.eval_bytes(config, arch, setup, planner.model_facts(config, arch, setup.method))
+    planned = memory.eval_bytes(config, arch, setup, planner.model_facts(config, arch, setup.method))
     return planned, trace.peak - trace.by_kind["Parameter"] - trace.by_kind.get("Buffer", 0)
 
 

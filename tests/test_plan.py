@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from sft.planning import plan as planner
+from sft.planning import memory, plan as planner
 from sft.models.architectures import known_config
 from sft.training.catalog import list_recipes
 from sft.cli.main import main
@@ -35,8 +35,8 @@ def planned_and_traced(values: dict, arch, fake: bool = True) -> tuple[float, fl
     """(planner's training peak, MemTracker's peak of the simulated step), bytes, one GPU."""
     config = load_recipe(values)
     setup = planner.setup_of(config, 1, 1)
-    parts = planner.memory_breakdown(config, arch, setup, planner.model_facts(config, arch, setup.method))
-    return planner.train_peak(parts, setup), trace_step(config, arch, fake=fake).peak
+    parts = memory.memory_breakdown(config, arch, setup, planner.model_facts(config, arch, setup.method))
+    return memory.train_peak(parts, setup), trace_step(config, arch, fake=fake).peak
 
 
 def small_arch(model: str = "meta-llama/Llama-3.2-1B", layers: int = 2, **sizes):
@@ -73,7 +73,7 @@ def test_a_wrong_formula_term_is_caught_by_the_trace(monkeypatch, term, wrong):
         values["chunked_loss"] = True
     planned, traced = planned_and_traced(values, arch)
     assert abs(planned / traced - 1) < 0.10
-    monkeypatch.setattr(planner, term, wrong)
+    monkeypatch.setattr(memory, term, wrong)
     wrong_planned, _ = planned_and_traced(values, arch)
     assert abs(wrong_planned / traced - 1) > 0.10, (wrong_planned / 2 ** 30, traced / 2 ** 30)
 
@@ -205,14 +205,14 @@ def test_planner_within_10_percent_of_cuda_max_memory_allocated(method, checkpoi
     arch = known_config("Qwen/Qwen2.5-0.5B")
     config = load_recipe(recipe("Qwen/Qwen2.5-0.5B", method, micro, 2048, checkpointing))
     setup = planner.setup_of(config, 1, 1)
-    parts = planner.memory_breakdown(config, arch, setup, planner.model_facts(config, arch, setup.method))
+    parts = memory.memory_breakdown(config, arch, setup, planner.model_facts(config, arch, setup.method))
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
     model = build_model(config, arch, "cuda")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
     train_steps(model, optimizer, config, arch.vocab_size, "cuda")
     measured = torch.cuda.max_memory_allocated() - start
-    planned = planner.train_peak(parts, setup)
+    planned = memory.train_peak(parts, setup)
     print(f"{method} checkpointing={checkpointing} micro={micro}: planned {planned / 2 ** 30:.2f} GiB, "
           f"max_memory_allocated {measured / 2 ** 30:.2f} GiB ({100 * (planned / measured - 1):+.1f}%)")
     assert abs(planned / measured - 1) <= 0.10
@@ -232,11 +232,11 @@ def test_eval_memory_matches_the_traced_eval_step(model, method, batch, length, 
     config = load_recipe({**recipe(model, method, 1, length, False), "eval_strategy": "steps",
                           "per_device_eval_batch_size": batch, "eval_split_size": 0.1, "chunked_loss": chunked})
     setup = planner.setup_of(config, 1, 1)
-    planned = planner.eval_bytes(config, arch, setup, planner.model_facts(config, arch, method))
+    planned = memory.eval_bytes(config, arch, setup, planner.model_facts(config, arch, method))
     trace = trace_step(config, arch, evaluate=True)
     traced = trace.peak - trace.by_kind["Parameter"] - trace.by_kind.get("Buffer", 0)
     assert abs(planned / traced - 1) < 0.10, (planned / 2 ** 20, traced / 2 ** 20)
-    full_logits = batch * length * arch.vocab_size * planner.EVAL_LOGIT_BYTES
+    full_logits = batch * length * arch.vocab_size * memory.EVAL_LOGIT_BYTES
     assert (abs(full_logits / traced - 1) < 0.10) is not chunked, (full_logits / 2 ** 20, traced / 2 ** 20)
 
 
@@ -247,9 +247,9 @@ def test_a_wrong_eval_layer_term_is_caught_by_the_trace(monkeypatch):
                           "per_device_eval_batch_size": 8, "eval_split_size": 0.1})
     trace = trace_step(config, arch, evaluate=True)
     traced = trace.peak - trace.by_kind["Parameter"]
-    monkeypatch.setitem(planner.EVAL_LAYER_BYTES, "full", (0.0, 0.0))
+    monkeypatch.setitem(memory.EVAL_LAYER_BYTES, "full", (0.0, 0.0))
     setup = planner.setup_of(config, 1, 1)
-    planned = planner.eval_bytes(config, arch, setup, planner.model_facts(config, arch, "full"))
+    planned = memory.eval_bytes(config, arch, setup, planner.model_facts(config, arch, "full"))
     assert abs(planned / traced - 1) > 0.10, (planned / 2 ** 20, traced / 2 ** 20)
 
 
@@ -278,7 +278,7 @@ def test_presets_shard_and_offload_what_they_should():
     arch = known_config(config.model_name_or_path)
     setup = planner.setup_of(config, 8, 1)
     model = planner.model_facts(config, arch, setup.method)
-    parts = {preset: planner.memory_breakdown(config, arch, dataclasses.replace(setup, preset=preset), model)
+    parts = {preset: memory.memory_breakdown(config, arch, dataclasses.replace(setup, preset=preset), model)
              for preset in ("ddp", "zero2", "zero3", "fsdp", "zero3_offload", "fsdp_offload")}
     assert parts["ddp"]["weights"] == parts["zero2"]["weights"] == 8 * parts["zero3"]["weights"]
     assert parts["zero2"]["optimizer states"] == parts["zero3"]["optimizer states"] == parts["fsdp"]["optimizer states"]

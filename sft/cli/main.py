@@ -298,7 +298,7 @@ def run_plan(args: argparse.Namespace, rest: list[str]) -> None:
     config = load_recipe(args.recipe, flags=rest)
     plan = plan_recipe(config, gpu, args.num_gpus, args.num_nodes)
     if args.trace:
-        from sft.planning.memtrace import trace_note
+        from sft.planning.plan import trace_note
 
         plan.notes.append(trace_note(config, plan))
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.table(args.recipe))

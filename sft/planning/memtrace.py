@@ -33,9 +33,6 @@ from sft.training.loss import LinearCrossEntropy, chunk_rows, chunked_token_loss
 from sft.models.quantization import DTYPES
 from sft.models.quantization import compute_dtype
 
-if typing.TYPE_CHECKING:
-    from sft.planning.plan import Plan
-
 QUANT_BLOCK = 64  # bitsandbytes' 4-bit block size: one absmax per 64 weights
 _NO_HOOK = types.SimpleNamespace(remove=lambda: None)
 DOUBLE_QUANT_BLOCK = 256  # double quantization: absmax in uint8, one float32 constant per 256 of them
@@ -249,18 +246,3 @@ def eval_step(model: nn.Module, config: SFTConfig, vocab_size: int, device: str)
         token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=device)
         token_losses.view(-1)[:] = chunked_token_losses(trained_rows(hidden), weight, targets.reshape(-1),
                                                          chunk_rows(weight.shape[0]))
-
-
-def trace_note(config: SFTConfig, plan: "Plan") -> str:
-    """One line comparing the planned training peak with the simulated step's (one GPU, nothing sharded)."""
-    from sft.models.architectures import model_architecture
-    from sft.planning.plan import GIB
-
-    if plan.setup.preset not in ("single", "ddp"):
-        return "trace: skipped (the simulated step runs on one unsharded GPU; this recipe shards)"
-    if config.load_in_8bit:
-        return "trace: skipped (8-bit LLM.int8 layers cannot be simulated)"
-    traced = trace_step(config, model_architecture(config.model_name_or_path, config.revision)).peak / GIB
-    planned = plan.breakdown["training peak"] - (plan.breakdown["gradients"] if plan.setup.preset == "ddp" else 0)
-    return (f"trace: simulated step peak {traced:.2f} GiB (MemTracker, fake tensors) vs planned {planned:.2f} GiB "
-            f"({100 * (planned / traced - 1):+.1f}%)")

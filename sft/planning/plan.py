@@ -2,10 +2,8 @@
 
 Parameters, their dtypes and which are trainable come from the recipe's model built on the meta device exactly as
 `sft train` prepares it (sft.planning.memtrace.build_model: k-bit preparation, peft adapters), so they are counted, not
-estimated. Activations follow per-token formulas: bytes each token keeps per decoder layer (counted from the
-tensors autograd saves, confirmed by MemTracker under FakeTensorMode; see docs/design.md), plus the LM head and
-loss. Sharding divides what the `distributed` preset shards. Everything is checked against one simulated step
-(`sft plan --trace`, tests/test_plan.py).
+estimated. Activations, the LM head and sharding follow the formulas of sft.planning.memory. Everything is checked
+against one simulated step (`sft plan --trace`, tests/test_plan.py).
 """
 
 import copy
@@ -18,82 +16,13 @@ import torch
 from transformers import PretrainedConfig
 
 from sft.config.arguments import SFTConfig
-from sft.training.presets import fsdp_config_dict, zero_stage
 from sft.planning.hardware import GPU
-from sft.training.loss import PLAIN_HEAD_MODELS, chunk_rows
+from sft.planning.memory import GIB, Model, Setup, eval_bytes, head_dim, memory_breakdown, train_peak
+from sft.training.presets import fsdp_config_dict, zero_stage
 
-GIB = 2 ** 30
-# Bytes a token keeps per decoder layer without checkpointing, as multiples of (hidden, attention width
-# heads*head_dim, MLP width), for bf16 compute. Full: two RMSNorms keep their fp32 input, normalised and output
-# copies (16h); attention keeps q, repeated k/v, output and o_proj's input (8q); the gated MLP keeps gate, silu,
-# up and their product (8i). LoRA adds per adapted linear its dropout mask and fp32/bf16 input copies; QLoRA's
-# float32 residual stream (k-bit preparation) changes the mix. Measured with MemTracker, see tests/test_plan.py.
-LAYER_BYTES = {"full": (16.0, 8.0, 8.0), "lora": (40.4, 14.2, 13.0), "qlora": (38.4, 14.2, 12.2)}
-# Gradient temporaries of the MLP (bytes per token per MLP width) while a recomputed LoRA layer runs backward.
-BACKWARD_I_BYTES = 11
-EAGER_SCORE_BYTES = 6  # per attention score per head, eager attention only (sdpa/flash keep no T x T tensor)
 METHODS = ("full", "lora", "qlora")
-FULL_LOGIT_BYTES = 14  # per logit where training runs no chunked loss: bf16, float32 copy, log-softmax, gradient
-# per logit where eval runs no chunked loss: bf16, float32 copy, log-softmax (the model's loss frees its own before
-# SFTMixin's token-loss pass makes the same again); MemTracker of memtrace.eval_step, tests/test_plan.py
-EVAL_LOGIT_BYTES = 10
-# Eval (no grad) keeps no activations, only one layer's transient: bytes per token as multiples of (hidden, MLP
-# width). Full: the MLP's activation, up projection and product (6i), residual, normed input and the norm's float32
-# temporaries (8h); LoRA adds float32 copies of adapted inputs, QLoRA a float32 residual stream. Fitted to
-# MemTracker's peak of the eval step (memtrace.eval_step) across widths; tests/test_plan.py checks it.
-EVAL_LAYER_BYTES = {"full": (8.0, 6.0), "lora": (12.0, 8.0), "qlora": (18.0, 8.0)}
 CUDA_CONTEXT_GIB = 0.6  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
 FRAGMENTATION = 0.08  # caching-allocator slack over the allocated peak (typical reserved/allocated on LLM training)
-DDP_BUCKETS = 2 * 25 * 2 ** 20  # DDP's gradient buckets (25 MB, two in flight)
-OPTIMIZER_STATE_BYTES = {"adamw_bnb_8bit": 2, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 0, "adafactor": 0}
-
-
-@dataclass
-class Setup:
-    """The recipe settings the plan depends on; the override search varies them."""
-
-    micro_batch: int
-    """per_device_train_batch_size."""
-    grad_accum: int
-    """gradient_accumulation_steps."""
-    max_length: int
-    """Tokens per row (packed rows are full; unpacked rows are at most this long: planned as full)."""
-    checkpointing: bool
-    """Activation (gradient) checkpointing."""
-    method: str
-    """full, lora or qlora (4-bit base + LoRA)."""
-    preset: str
-    """single, ddp, fsdp, fsdp_hybrid (sharded within a node), fsdp_offload, zero2, zero3 or zero3_offload."""
-    eval_batch: int = 1
-    """per_device_eval_batch_size."""
-    num_gpus: int = 1
-    """GPUs per node."""
-    num_nodes: int = 1
-    """Nodes."""
-
-    @property
-    def world(self) -> int:
-        return self.num_gpus * self.num_nodes
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.world
-
-
-@dataclass
-class Model:
-    """What the meta-device model of one method holds."""
-
-    weight_bytes: int
-    """All parameters and buffers as loaded and prepared (4-bit packed, k-bit-prepared float32, adapters)."""
-    trainable: int
-    """Trainable parameters."""
-    trainable_bytes: int
-    """Bytes of the trainable parameters in their own dtype."""
-    matmul_params: int
-    """Multiply-accumulates per token of the full model (all weights but the input embedding)."""
-    layer_bytes: int
-    """Bytes of the largest decoder layer's weights (what FSDP / ZeRO-3 gather at once)."""
 
 
 @dataclass
@@ -232,121 +161,6 @@ def matmul_params(arch: PretrainedConfig) -> int:
     return layers * per_layer + arch.vocab_size * h
 
 
-def head_dim(arch: PretrainedConfig) -> int:
-    return getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads
-
-
-def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, head_trainable: bool) -> dict[str, int]:
-    """Activations of one micro-batch at their peak: saved per layer, the layer being recomputed, LM head / loss."""
-    tokens = setup.micro_batch * setup.max_length
-    scale = 1 if (config.bf16 or config.fp16) else 2  # the coefficients are for 16-bit compute
-    h, q, i = arch.hidden_size, arch.num_attention_heads * head_dim(arch), arch.intermediate_size
-    ch, cq, ci = LAYER_BYTES[setup.method]
-    layer = int(tokens * (ch * h + cq * q + ci * i) * scale)
-    if config.attn_implementation == "eager":  # eager keeps each head's T x T probabilities: float32 and bf16 copy
-        layer += tokens * setup.max_length * arch.num_attention_heads * EAGER_SCORE_BYTES * scale
-    residual = 4 if setup.method == "qlora" else 2 * scale  # k-bit preparation keeps the residual in float32
-    saved = arch.num_hidden_layers * (tokens * residual * h if setup.checkpointing else layer)
-    head = head_bytes(config, arch, setup, tokens, head_trainable)
-    backward = layer + tokens * BACKWARD_I_BYTES * i * scale if setup.checkpointing and setup.method != "full" else 0
-    # the last layer's backward (recomputed under checkpointing) runs after the loss's buffers are freed
-    return {"activations": saved + tokens * residual * h * 3, "lm head / loss": max(head, backward)}
-
-
-def chunked_loss_applies(config: SFTConfig, arch: PretrainedConfig) -> bool:
-    """Whether SFTTrainer attaches the chunked loss (sft.training.loss.supports_chunked_loss, from the config alone): plain
-    heads, under every preset, in training and eval."""
-    return (config.chunked_loss and arch.model_type in PLAIN_HEAD_MODELS and not arch.is_encoder_decoder
-            and not getattr(arch, "output_router_logits", False))
-
-
-def head_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: int, trainable: bool) -> int:
-    """The LM head and loss at their peak: chunked (one chunk of logits) or full logits."""
-    vocab, h = arch.vocab_size, arch.hidden_size
-    if not chunked_loss_applies(config, arch):
-        return tokens * vocab * FULL_LOGIT_BYTES
-    logits = min(chunk_rows(vocab), tokens) * vocab * 10  # float32 logits (probabilities in place), bf16 gradient
-    # the head's gradient is accumulated in float32 and scaled once more in backward (2 x 4 bytes) then cast
-    weight_grad = vocab * h * 10 if trainable else 0
-    if setup.method == "qlora":  # k-bit preparation made the head float32: autocast casts it to bf16 per chunk
-        weight_grad += vocab * h * 2
-    return logits + weight_grad + tokens * h * 4
-
-
-def shards(setup: Setup) -> int:
-    """How many GPUs share one copy of what the preset shards (hybrid FSDP shards within a node)."""
-    return 1 if setup.preset == "ddp" else setup.num_gpus if setup.preset == "fsdp_hybrid" else setup.world
-
-
-def memory_breakdown(config: SFTConfig, arch: PretrainedConfig, setup: Setup, model: Model) -> dict[str, int]:
-    """Bytes per GPU by component at the training peak (framework overhead excluded)."""
-    n, preset = shards(setup), setup.preset
-    sharded = preset.startswith(("fsdp", "zero"))
-    mixed = sharded and (config.bf16 or config.fp16)  # fp32 master weights under FSDP2 / DeepSpeed mixed precision
-    state_bytes = OPTIMIZER_STATE_BYTES.get(str(getattr(config.optim, "value", config.optim)),
-                                            8 if mixed else 2 * model.trainable_bytes / max(model.trainable, 1))
-    frozen = model.weight_bytes - model.trainable_bytes
-    if preset.startswith("fsdp"):  # accelerate's FSDP2 upcasts trainable weights: they are the master
-        weights = (frozen + 4 * model.trainable if mixed else model.weight_bytes) / n
-        master, grads = 0, (4 * model.trainable if mixed else model.trainable_bytes) / n
-    else:
-        weights = model.weight_bytes / (n if preset.startswith("zero3") else 1)
-        master = 4 * model.trainable / n if mixed else 0
-        grads = model.trainable_bytes / (n if sharded else 1)
-    gathered = 2 * model.layer_bytes if preset.startswith(("fsdp", "zero3")) else 0  # current + prefetched layer
-    if preset.endswith("offload"):  # sharded parameters (and FSDP's gradients) live in CPU memory between uses
-        weights, master = 0, 0
-        grads = grads if preset.startswith("zero") else 0
-    optimizer = 0 if preset.endswith("offload") else state_bytes * model.trainable / (n if sharded else 1)
-    head_trainable = setup.method == "full" or "lm_head" in (config.lora_modules_to_save or [])
-    parts = {"weights": weights, "gathered layers": gathered, "master weights (fp32)": master,
-             "gradients": grads + (DDP_BUCKETS if preset == "ddp" else 0), "optimizer states": optimizer,
-             **activation_bytes(config, arch, setup, head_trainable)}
-    return {k: int(v) for k, v in parts.items()}
-
-
-def train_peak(parts: dict[str, int], setup: Setup) -> int:
-    """The peak of a step: activations peak before the gradients are complete unless accumulation keeps them."""
-    static = parts["weights"] + parts["gathered layers"] + parts["master weights (fp32)"] + parts["optimizer states"]
-    acts = parts["activations"] + parts["lm head / loss"]
-    grads = parts["gradients"]
-    return static + (acts + grads if setup.grad_accum > 1 else max(acts, grads))
-
-
-def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, model: Model) -> int:
-    """Evaluation's transient (no gradients kept): sft's chunked eval forward, or full logits where the chunked loss
-    does not apply, plus the KV cache of generation."""
-    if config.eval_strategy == "no" and not config.do_eval:
-        return 0
-    batch = setup.eval_batch
-    tokens = batch * setup.max_length
-    if chunked_loss_applies(config, arch):
-        memory = chunked_eval_bytes(config, arch, setup, tokens, model)
-    else:
-        memory = tokens * arch.vocab_size * EVAL_LOGIT_BYTES
-    if not config.predict_with_generate:
-        return memory
-    new = config.max_new_tokens or config.generation_max_length or 128
-    kv_width = arch.num_key_value_heads * head_dim(arch)
-    return memory + 2 * arch.num_hidden_layers * kv_width * (setup.max_length + new) * batch * 2
-
-
-def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: int, model: Model) -> int:
-    """sft.training.loss.chunked_forward without grad: a decoder layer's transient, or later the head's, whichever is larger."""
-    vocab, h = arch.vocab_size, arch.hidden_size
-    scale = 1 if (config.bf16 or config.fp16) else 2  # the coefficients are for 16-bit compute
-    ch, ci = EVAL_LAYER_BYTES[setup.method]
-    decoder = tokens * (ch * h + ci * arch.intermediate_size) * scale + tokens * setup.max_length  # + bool mask
-    # the last hidden state and its trained rows, one chunk of bf16 logits + float32 copy + log-softmax, and the
-    # float32 token losses (chunked_token_losses' output and chunked_forward's per-position tensor)
-    head = tokens * 2 * h * 2 * scale + min(chunk_rows(vocab), tokens) * vocab * 10 + tokens * 8
-    if setup.method == "qlora":  # k-bit preparation made the head float32: autocast casts it to bf16 per chunk
-        head += vocab * h * 2
-    # autocast keeps its bf16 copy of every float32 adapter weight until the forward ends
-    adapters = 2 * model.trainable if setup.method != "full" and scale == 1 else 0
-    return int(max(decoder, head) + adapters)
-
-
 def flops_per_token(arch: PretrainedConfig, model: Model, setup: Setup) -> tuple[float, float]:
     """(model FLOPs per token: 6N + causal attention, FLOPs the GPU actually runs: no frozen-weight gradients,
     plus the forward again under checkpointing)."""
@@ -483,3 +297,18 @@ def run_length(config: SFTConfig, setup: Setup, tokens_per_second: float) -> tup
     tokens = rows * setup.max_length if stats.packed_rows else stats.tokens
     steps = math.ceil(rows / rows_per_step) * math.ceil(config.num_train_epochs)
     return steps, tokens * config.num_train_epochs / tokens_per_second / 3600
+
+
+def trace_note(config: SFTConfig, plan: Plan) -> str:
+    """One line comparing the planned training peak with the simulated step's (one GPU, nothing sharded)."""
+    from sft.models.architectures import model_architecture
+    from sft.planning.memtrace import trace_step
+
+    if plan.setup.preset not in ("single", "ddp"):
+        return "trace: skipped (the simulated step runs on one unsharded GPU; this recipe shards)"
+    if config.load_in_8bit:
+        return "trace: skipped (8-bit LLM.int8 layers cannot be simulated)"
+    traced = trace_step(config, model_architecture(config.model_name_or_path, config.revision)).peak / GIB
+    planned = plan.breakdown["training peak"] - (plan.breakdown["gradients"] if plan.setup.preset == "ddp" else 0)
+    return (f"trace: simulated step peak {traced:.2f} GiB (MemTracker, fake tensors) vs planned {planned:.2f} GiB "
+            f"({100 * (planned / traced - 1):+.1f}%)")
