@@ -108,8 +108,8 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
 
 
 def chunked_loss_applies(config: SFTConfig, arch: PretrainedConfig) -> bool:
-    """Whether SFTTrainer attaches the chunked loss (sft.training.loss.supports_chunked_loss, from the config alone): plain
-    heads, under every preset, in training and eval."""
+    """Whether SFTTrainer attaches the chunked loss (sft.training.loss.supports_chunked_loss, from the config alone):
+    plain heads (sft.models.families), under every preset, in training and eval."""
     return config.chunked_loss and has_plain_head(arch)
 
 
@@ -185,7 +185,8 @@ def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, model: M
 
 
 def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: int, model: Model) -> int:
-    """sft.training.loss.chunked_forward without grad: a decoder layer's transient, or later the head's, whichever is larger."""
+    """sft.training.loss.chunked_forward without grad: a decoder layer's transient, or later the head's, whichever
+    is larger."""
     vocab, h = arch.vocab_size, arch.hidden_size
     scale = 1 if (config.bf16 or config.fp16) else 2  # the coefficients are for 16-bit compute
     ch, ci = EVAL_LAYER_BYTES[setup.method]

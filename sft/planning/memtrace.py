@@ -161,7 +161,8 @@ def materialize(model: nn.Module) -> None:
 
 
 def chunked_applies(model: nn.Module, config: SFTConfig) -> bool:
-    """Whether SFTTrainer attaches the chunked loss to this model (sft.training.loss.attach_chunked_loss), under any preset."""
+    """Whether SFTTrainer attaches the chunked loss to this model (sft.training.loss.attach_chunked_loss), under any
+    preset."""
     return config.chunked_loss and supports_chunked_loss(_base(model))
 
 
