@@ -23,9 +23,10 @@ from sft.data.chat import ChatRenderer
 from sft.data.chat_templates import PRESETS, stop_token_ids
 from sft.cli.main import main
 from sft.data.encode import Encoding
+from sft.data.proven_templates import unproven_template_hint
 from sft.errors import SFTError
 from sft.evaluation.predict import Example
-from sft.check.prove import prove_recipe, unproven_template_hint
+from sft.check.prove import prove_recipe
 from sft.check.prove.batches import prove_batching, prove_packing
 from sft.check.prove.bench import Bench
 from sft.check.prove.generation import prove_generation

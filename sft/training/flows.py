@@ -20,6 +20,7 @@ from sft.data.tokenizer import load_tokenizer
 from sft.models.families import check_packing_supported
 from sft.models.loading import load_model, load_model_config
 from sft.data.packing import pack_dataset, pack_dataset_with_stats
+from sft.data.proven_templates import unproven_template_hint
 from sft.evaluation.predict import answer_offsets
 from sft.models.quantization import check_quantization
 from sft.training.recipe import save_recipe
@@ -73,8 +74,6 @@ def train(config: SFTConfig) -> Path:
 
 def hint_unproven_template(formats: list[str], tokenizer: transformers.PreTrainedTokenizerBase) -> None:
     """One line suggesting `sft check --prove` for a chat template that has not passed it on this machine."""
-    from sft.check.prove import unproven_template_hint  # deferred: sft.check.prove builds on this module
-
     hint = unproven_template_hint(tokenizer.chat_template) if set(formats) & set(CHAT_FORMATS) else None
     if hint:
         log.info(hint)

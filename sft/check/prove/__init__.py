@@ -2,14 +2,12 @@
 chat template and settings, with a tiny random model of its architecture, on CPU in about a minute.
 
 Each proof takes the piece it checks as an argument (or uses sft's own), so tests can inject the faults the
-proofs exist to catch. The template cache records chat templates that passed, so `sft train` can hint at running
-the proofs for one it has not seen pass.
+proofs exist to catch. Chat templates that pass are recorded (sft.data.proven_templates), so `sft train` can hint at
+running the proofs for one it has not seen pass.
 """
 
 import contextlib
-import hashlib
 import logging
-import os
 import sys
 import tempfile
 import time
@@ -22,6 +20,7 @@ from sft.check.prove.generation import prove_generation
 from sft.check.prove.masks import chat_row, prove_masks
 from sft.check.prove.result import Proof
 from sft.check.prove.runs import prove_resume, prove_save_load
+from sft.data.proven_templates import remember_template
 
 log = logging.getLogger(__name__)
 DEFAULT_ROWS = 32
@@ -59,42 +58,3 @@ def attempt(name: str, step: Callable[[], Proof], debug: bool) -> Proof:
 def uses_chat_template(bench: Bench) -> bool:
     raw, decided = bench.raw
     return bool(bench.tokenizer.chat_template) and chat_row(raw[0], decided.format)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Templates that passed: a cache file of hashes (not a registry), so `sft train` can suggest --prove
-# ---------------------------------------------------------------------------------------------------------------
-
-def cache_file() -> Path:
-    """$XDG_CACHE_HOME/sft/proven-templates (default ~/.cache): one template hash per line."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "sft" / "proven-templates"
-
-
-def template_hash(template: str) -> str:
-    return hashlib.sha256(template.encode()).hexdigest()[:16]
-
-
-def is_proven(template: str) -> bool:
-    path = cache_file()
-    return path.is_file() and template_hash(template) in path.read_text().split()
-
-
-def remember_template(template: str) -> None:
-    if is_proven(template):
-        return
-    path = cache_file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as out:
-            out.write(template_hash(template) + "\n")
-    except OSError as err:  # a read-only home must not turn passed proofs into an error
-        log.warning("Could not record the proven chat template in %s: %s", path, err)
-
-
-def unproven_template_hint(template: str | None) -> str | None:
-    """The one-line hint `sft train` logs for a chat template that has not passed `sft check --prove` here."""
-    if not template or is_proven(template):
-        return None
-    return (f"This chat template ({template_hash(template)}) has not passed `sft check RECIPE --prove` on this "
-            "machine: run it to prove masks, packing, batching, resume and saving on your data before a long run.")
