@@ -82,3 +82,16 @@ def test_help_lists_every_recipe_key(capsys):
     for key in ("--learning_rate", "--model_name_or_path", "--packing", "--dataset_format", "--lora_r"):
         assert key in out
     assert "Train only on completions" in out
+
+
+def test_the_default_max_length_is_fitted_to_the_model_on_a_copy(tiny_model_dir, tmp_path):
+    """The tiny model has 512 positions: the default max_length (1024) is lowered for the run, in the config the run
+    uses; the caller's recipe is not written to."""
+    from sft.training.flows import fitted_max_length
+    from sft.training.recipe import with_model_limits
+
+    config = load_recipe({"model_name_or_path": str(tiny_model_dir), "output_dir": str(tmp_path)})
+    fitted = with_model_limits(config, fitted_max_length(config))
+    assert (config.max_length, fitted.max_length) == (1024, 512)
+    assert resolved_recipe(fitted)["max_length"] == 512
+    assert with_model_limits(fitted, fitted_max_length(fitted)) is fitted

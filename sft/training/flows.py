@@ -23,7 +23,7 @@ from sft.data.packing import pack_dataset, pack_dataset_with_stats
 from sft.data.proven_templates import unproven_template_hint
 from sft.evaluation.predict import answer_offsets
 from sft.models.quantization import check_quantization
-from sft.training.recipe import save_recipe
+from sft.training.recipe import save_recipe, with_model_limits
 from sft.training.report import plot_loss, write_model_card
 from sft.data.stats import DataStats, compute_stats
 from sft.training.trainer import SFTMixin, trainer_class
@@ -39,7 +39,7 @@ def train(config: SFTConfig) -> Path:
         config: the validated recipe (see load_recipe).
     """
     resume = resume_setting(config.resume_from_checkpoint)
-    check_before_loading(config, resume)
+    config = check_before_loading(config, resume)
     tokenizer = load_tokenizer(config)
     with config.main_process_first(desc="tokenizing"):  # the main process tokenizes; the others load its cache
         train_data, eval_data = prepare_splits(config, tokenizer)  # data errors surface before the model loads
@@ -109,15 +109,16 @@ def resume_setting(value: str | bool | None) -> str | bool | None:
     return value
 
 
-def check_before_loading(config: SFTConfig, resume: str | bool | None) -> None:
-    """Fail fast on what needs no data or model: GPU-only flags, max_length, the output folder, the resume target."""
+def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTConfig:
+    """Fail fast on what needs no data or model: GPU-only flags, max_length, the output folder, the resume target;
+    returns the recipe with max_length fitted to the model (fitted_max_length)."""
     problems = config.hardware_problems()
     if problems:
         raise SFTError(problems[0])
     check_quantization(config)
     if config.predict_with_generate:
         resolve_metrics(config.metrics)  # a misspelt metric fails now, not after the model has loaded
-    check_max_length(config)
+    config = with_model_limits(config, fitted_max_length(config))
     out = Path(config.output_dir)
     rundir.check_output_dir(out)
     check_resume(out, resume)
@@ -125,6 +126,7 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> None:
         raise SFTError(f"output_dir {out} already holds an sft run. Pass --resume_from_checkpoint true to continue "
                        "it, --overwrite_output_dir true to replace it (only files sft wrote are removed), or choose "
                        "another output_dir.")
+    return config
 
 
 def check_resume(out: Path, resume: str | bool | None) -> None:
@@ -137,24 +139,23 @@ def check_resume(out: Path, resume: str | bool | None) -> None:
                        "without --resume_from_checkpoint, or point it at a checkpoint folder.")
 
 
-def check_max_length(config: SFTConfig) -> None:
-    """max_length beyond the model's positions: refused when the recipe sets it (a warning when the model scales
-    RoPE); the default max_length is lowered to the model's positions instead."""
+def fitted_max_length(config: SFTConfig) -> int:
+    """The max_length a run uses: beyond the model's positions it is refused when the recipe sets it (a warning when
+    the model scales RoPE); the default max_length is lowered to the model's positions instead."""
     if config.model_name_or_path is None:
-        return
+        return config.max_length
     model_config = load_model_config(config)
     positions = getattr(model_config, "max_position_embeddings", None)
     if not isinstance(positions, int) or config.max_length <= positions:
-        return
+        return config.max_length
     if "max_length" not in config.recipe_keys:
         log.info("max_length: using the model's %d positions (the default %d is longer).", positions, config.max_length)
-        config.max_length = positions
-        return
+        return positions
     rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":  # linear, dynamic, yarn, llama3 ... stretch
         log.warning("max_length=%d is beyond the model's %d positions; relying on its RoPE scaling (%s).",
                     config.max_length, positions, rope.get("rope_type", rope.get("type")))
-        return
+        return config.max_length
     raise SFTError(f"max_length={config.max_length} is beyond the {positions} positions the model "
                    f"{config.model_name_or_path} has (max_position_embeddings). Set max_length: {positions} or less.")
 
@@ -201,7 +202,7 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
     with predict_with_generate; writes eval_results.json to output_dir, replacing an earlier one only when asked."""
     out = Path(config.output_dir)
     check_eval_output(out, config.overwrite_output_dir)
-    check_max_length(config)
+    config = with_model_limits(config, fitted_max_length(config))
     tokenizer = load_tokenizer(config)
     with config.main_process_first(desc="tokenizing"):
         _, eval_data = prepare_splits(config, tokenizer)

@@ -1,5 +1,6 @@
 """Recipes: flat YAML whose keys are SFTConfig field names, plus command-line overrides, strictly validated."""
 
+import copy
 import dataclasses
 import difflib
 import enum
@@ -267,6 +268,18 @@ def build_config(values: dict) -> SFTConfig:
     config.recipe_keys = user_keys  # recipe.yaml keeps `distributed`, not what it expanded to
     check_values(config)
     return config
+
+
+def with_model_limits(config: SFTConfig, max_length: int) -> SFTConfig:
+    """The recipe as a run uses it once the model's limits are known (max_length lowered to its positions).
+
+    A copy: the caller's config is left as given, and TrainingArguments' set-up (__post_init__) does not run twice.
+    """
+    if max_length == config.max_length:
+        return config
+    resolved = copy.copy(config)
+    resolved.max_length = max_length
+    return resolved
 
 
 def resolved_recipe(config: SFTConfig) -> dict:
