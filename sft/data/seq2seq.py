@@ -1,4 +1,4 @@
-"""Encoder-decoder data and loss: source -> input_ids (with the tokenizer's special tokens), target + EOS -> labels.
+"""Encoder-decoder data: source -> input_ids (with the tokenizer's special tokens), target + EOS -> labels.
 
 Rows render through the same format renderers as decoder-only data (alpaca, prompt_completion, seq2seq), always
 completion-only: the text before the trained span is the source, the span is the target.
@@ -7,12 +7,8 @@ completion-only: the text before the trained span is the source, the span is the
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-import torch.nn.functional as F
-from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from sft.data.encode import IGNORE_INDEX
 from sft.errors import SFTError
 from sft.data.formats import RENDERERS, Rendered, field_text
 
@@ -75,17 +71,3 @@ def fit_keeping_special(ids: list[int], special: list[int], max_length: int, sid
     body = body[len(body) - room:] if side == "left" else body[:room]
     return ids[:head] + body + ids[len(ids) - tail:], True
 
-
-def seq2seq_token_loss(model: nn.Module, inputs: dict, normalizer: torch.Tensor | int | None) -> torch.Tensor:
-    """Summed decoder cross entropy / normalizer (the step's trained tokens), as the causal loss is normalised.
-
-    transformers' T5/BART take num_items_in_batch but still return a per-batch mean, which over-weights short
-    micro-batches under gradient accumulation and scales gradients by the accumulation steps.
-    """
-    labels = inputs["labels"]
-    logits = model(**inputs).logits
-    total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device),
-                            ignore_index=IGNORE_INDEX, reduction="sum")
-    if normalizer is None:
-        normalizer = (labels != IGNORE_INDEX).sum()
-    return total / torch.as_tensor(normalizer, dtype=torch.float32, device=total.device).clamp(min=1)

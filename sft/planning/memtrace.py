@@ -29,7 +29,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config.arguments import SFTConfig
-from sft.training.loss import LinearCrossEntropy, chunk_rows, chunked_token_losses, supports_chunked_loss
+from sft.training.loss import (LinearCrossEntropy, chunk_rows, chunked_token_losses, supports_chunked_loss,
+                               token_cross_entropy)
 from sft.models.quantization import DTYPES
 from sft.models.quantization import compute_dtype
 
@@ -231,14 +232,12 @@ def eval_step(model: nn.Module, config: SFTConfig, vocab_size: int, device: str)
     """One eval batch as SFTTrainer evaluates it: chunked_forward's no-grad branch (per-position token losses from
     one chunk of logits at a time) where the chunked loss applies, else the model's own full-logits loss and
     SFTMixin's token-loss pass over those logits."""
-    from sft.training.trainer import token_cross_entropy
-
     model.eval()
     ids = torch.randint(0, vocab_size, (config.per_device_eval_batch_size, config.max_length), device=device)
     with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16)):
         if not chunked_applies(model, config):
             outputs = model(input_ids=ids, labels=ids, use_cache=False)
-            token_cross_entropy(outputs.logits, ids, shifted=True)  # SFTMixin._add_eval_tokens
+            token_cross_entropy(outputs.logits, ids, shifted=True)  # EvalTokenSums.add
             return
         base = _base(model)
         hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state

@@ -1,6 +1,7 @@
-"""Causal-LM loss that never materialises full-vocabulary logits for the whole batch.
+"""The token losses SFTTrainer computes: the chunked causal-LM loss, the step-normalised encoder-decoder loss and
+evaluation's per-token losses.
 
-The LM head dominates SFT compute and memory on small and mid-size models (a 32k vocabulary x 4k tokens of fp32
+The chunked causal-LM loss never materialises full-vocabulary logits for the whole batch. The LM head dominates SFT compute and memory on small and mid-size models (a 32k vocabulary x 4k tokens of fp32
 logits is 512 MB, plus its gradient). Here the head runs only at positions whose next token is trained, in chunks,
 and each chunk's gradients are computed in the forward pass (as fused linear-cross-entropy kernels do), so peak
 memory holds one chunk of logits and the head costs exactly its three matmuls, with no recomputation.
@@ -166,3 +167,27 @@ def reference_causal_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
     return loss / normalizer
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """Each position's cross entropy (0 where untrained), next-token when `shifted`."""
+    if shifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="none").view(labels.shape)
+
+
+def seq2seq_token_loss(model: nn.Module, inputs: dict, normalizer: torch.Tensor | int | None) -> torch.Tensor:
+    """Summed decoder cross entropy / normalizer (the step's trained tokens), as the causal loss is normalised.
+
+    transformers' T5/BART take num_items_in_batch but still return a per-batch mean, which over-weights short
+    micro-batches under gradient accumulation and scales gradients by the accumulation steps.
+    """
+    labels = inputs["labels"]
+    logits = model(**inputs).logits
+    total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device),
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    if normalizer is None:
+        normalizer = (labels != IGNORE_INDEX).sum()
+    return total / torch.as_tensor(normalizer, dtype=torch.float32, device=total.device).clamp(min=1)
+

@@ -17,20 +17,11 @@ from sft.config.arguments import SFTConfig
 from sft.training.divergence import DivergenceGuard
 from sft.data.encode import IGNORE_INDEX
 from sft.training.signals import StopOnSignal
-from sft.training.loss import attach_chunked_loss
+from sft.training.loss import attach_chunked_loss, seq2seq_token_loss, token_cross_entropy
 from sft.evaluation.metrics import compute_metrics, resolve_metrics
 from sft.training.neftune import NEFTune, token_example_lengths
 from sft.evaluation.predict import PromptGenerator, answer_offsets, eval_generation_config, write_predictions
-from sft.data.seq2seq import seq2seq_token_loss
 from sft.data.collators import PackedCollator, PaddingFreeCollator
-
-
-def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
-    """Each position's cross entropy (0 where untrained), next-token when `shifted`."""
-    if shifted:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                       reduction="none").view(labels.shape)
 
 
 def default_collator(tokenizer: PreTrainedTokenizerBase, args: Any) -> Any:
