@@ -72,7 +72,7 @@ def test_generate_sees_only_left_padded_prompts(tiny_model_dir, qa_file, tokeniz
 
 
 def test_sharded_models_generate_with_synced_gpus(tiny_model_dir, qa_file, tokenizer, tmp_path, monkeypatch):
-    monkeypatch.setattr("sft.training.trainer.is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr("sft.evaluation.predict.is_deepspeed_zero3_enabled", lambda: True)
     config = recipe(tiny_model_dir, qa_file, tmp_path, per_device_eval_batch_size=8)
     model = make_llama(len(tokenizer))
     calls = spy_on_generate(model)

@@ -14,19 +14,24 @@ the colon) and the reference is the answer text exactly.
 
 import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
+from accelerate import Accelerator
 from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Seq2SeqTrainer, Seq2SeqTrainingArguments
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.integrations.fsdp import is_fsdp_managed_module
 
 from sft.config.arguments import SFTConfig
 from sft.data.boundaries import spans
 from sft.data.encode import IGNORE_INDEX
 from sft.evaluation.generation import GREEDY, decoding_config
+from sft.evaluation.metrics import compute_metrics, resolve_metrics
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -193,3 +198,65 @@ def write_predictions(records: list[dict[str, str]], path: Path) -> None:
     staging = path.with_name(path.name + ".tmp")
     staging.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     staging.replace(path)
+
+
+class GenerationEval:
+    """Generation-based evaluation for one trainer: a PromptGenerator per evaluation, the predictions it collects,
+    and their metrics (plus predictions.jsonl)."""
+
+    def __init__(self, args: Seq2SeqTrainingArguments, accelerator: Accelerator, eval_dataset: Any) -> None:
+        self.args, self.accelerator = args, accelerator
+        # Unknown metric names or a bad import path fail here, before any training step.
+        self.metric_fns = resolve_metrics(args.metrics if isinstance(args, SFTConfig) else None)
+        # Where answers start inside a token; set from the unpacked eval set (use_offsets_of) when eval is packed.
+        self.offsets = answer_offsets(eval_dataset)
+        self.overrides: dict[str, Any] = {}  # evaluate()'s generate() keyword arguments
+        self.generator: PromptGenerator | None = None  # set during an evaluation
+        self.predictions: list[dict[str, str]] = []
+
+    def use_offsets_of(self, dataset: Any) -> None:
+        """Take the answer offsets of the unpacked eval set (a packed one no longer carries them)."""
+        self.offsets = answer_offsets(dataset)
+
+    @contextlib.contextmanager
+    def overriding(self, gen_kwargs: dict[str, Any]) -> Iterator[None]:
+        """evaluate()'s gen_kwargs on top of the recipe's decoding settings (nested: an eval dict evaluates each)."""
+        previous, self.overrides = self.overrides, {**self.overrides, **gen_kwargs}
+        try:
+            yield
+        finally:
+            self.overrides = previous
+
+    @contextlib.contextmanager
+    def evaluating(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> Iterator[None]:
+        """One evaluation: decoding settings from the recipe, a generator for `model` (the Trainer's, wrapped)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        config = eval_generation_config(unwrapped, tokenizer, self.args, self.overrides)
+        # Sharded parameters are gathered layer by layer on every rank: all ranks must keep stepping together.
+        synced = is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)
+        self.generator = PromptGenerator(model, tokenizer, config, unwrapped.config.is_encoder_decoder, synced,
+                                         self.offsets)
+        self.predictions = []
+        try:
+            yield
+        finally:
+            self.generator = None
+
+    def step(self, inputs: dict[str, Any]) -> None:
+        """Generate from each example's prompt in a (device-ready) batch and collect the records of all ranks."""
+        rows = self.generator.examples(inputs)
+        texts = iter(self.generator.generate([e for row in rows for e in row], self.args.device))
+        grouped = [[next(texts) for _ in row] for row in rows]
+        if self.accelerator.num_processes > 1:  # gather_for_metrics drops the rows repeated to even out batches
+            grouped = self.accelerator.gather_for_metrics(grouped, use_gather_object=True)
+        self.predictions.extend(record for row in grouped for record in row)
+
+    def metrics(self, prefix: str, main_process: bool) -> dict[str, float]:
+        """Metrics of the collected predictions (prefixed); predictions.jsonl written by the main process."""
+        if main_process:
+            name = "predictions.jsonl" if prefix == "eval" else f"{prefix}_predictions.jsonl"
+            write_predictions(self.predictions, Path(self.args.output_dir) / name)
+        predictions = [r["prediction"] for r in self.predictions]
+        references = [r["reference"] for r in self.predictions]
+        values = compute_metrics(self.metric_fns, predictions, references)
+        return {f"{prefix}_{key}": value for key, value in values.items()}

@@ -5,12 +5,16 @@ picks as the latest, and save_total_limit may already have deleted the previous 
 (`.staging-N/`) never match the Trainer's `checkpoint-N` pattern, so they are neither resumed from nor rotated.
 """
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+from accelerate import Accelerator
+from transformers import TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 log = logging.getLogger(__name__)
@@ -45,6 +49,36 @@ def remove_stale_staging(run_dir: str | Path) -> None:
     for stale in Path(run_dir).glob(f"{STAGING_PREFIX}*"):
         log.warning("Removing incomplete checkpoint %s left by an interrupted save.", stale)
         shutil.rmtree(stale, ignore_errors=True)
+
+
+class CheckpointStaging:
+    """One trainer's checkpoint saves: the Trainer writes into a staging folder (`folder`, while a save runs), which
+    is promoted once every rank has written its shard."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+        self.folder: str | None = None  # the Trainer's output dir during a save
+
+    @contextlib.contextmanager
+    def writing(self, run_dir: str, step: int) -> Iterator[None]:
+        """The Trainer's save of checkpoint-`step` runs inside: it writes under the staging folder."""
+        self.folder = str(staging_root(run_dir, step))
+        try:
+            yield
+        finally:
+            self.folder = None
+
+    def finish(self, run_dir: str, state: TrainerState, args: TrainingArguments) -> None:
+        """Rename the complete checkpoint into place and rotate old ones (main process), ranks in step."""
+        step = state.global_step
+        self.accelerator.wait_for_everyone()  # every rank has written its shard
+        if args.should_save:
+            final = promote(run_dir, step)
+            best = state.best_model_checkpoint
+            if best and best.startswith(str(staging_root(run_dir, step))):
+                state.best_model_checkpoint = str(final)
+            rotate(run_dir, args.save_total_limit, state.best_model_checkpoint)
+        self.accelerator.wait_for_everyone()
 
 
 def _fix_state_paths(state_file: Path, staged: str, final: str) -> None:

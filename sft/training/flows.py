@@ -21,7 +21,6 @@ from sft.models.families import check_packing_supported
 from sft.models.loading import load_model, load_model_config
 from sft.data.packing import pack_dataset, pack_dataset_with_stats
 from sft.data.proven_templates import unproven_template_hint
-from sft.evaluation.predict import answer_offsets
 from sft.models.quantization import check_quantization
 from sft.training.recipe import save_recipe, with_model_limits
 from sft.training.report import plot_loss, write_model_card
@@ -52,8 +51,8 @@ def train(config: SFTConfig) -> Path:
     model = load_model(config, tokenizer)
     trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer, train_dataset=train_set,
                                    eval_dataset=eval_set)
-    if eval_data is not None and config.predict_with_generate:
-        trainer.answer_offsets = answer_offsets(eval_data.dataset)  # the packed eval set no longer carries them
+    if eval_data is not None and trainer.generation_eval is not None:
+        trainer.generation_eval.use_offsets_of(eval_data.dataset)  # the packed eval set no longer carries them
     output_dir = prepare_output_dir(config, resume, trainer)
     result = trainer.train(resume_from_checkpoint=resume)
     if trainer.is_world_process_zero():

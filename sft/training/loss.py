@@ -1,10 +1,11 @@
-"""The token losses SFTTrainer computes: the chunked causal-LM loss, the step-normalised encoder-decoder loss and
-evaluation's per-token losses.
+"""The token losses SFTTrainer computes: the chunked causal-LM loss, the step-normalised encoder-decoder loss, and
+evaluation's per-token losses summed into the exact eval loss (TokenLoss and EvalTokenSums hold one trainer's).
 
-The chunked causal-LM loss never materialises full-vocabulary logits for the whole batch. The LM head dominates SFT compute and memory on small and mid-size models (a 32k vocabulary x 4k tokens of fp32
-logits is 512 MB, plus its gradient). Here the head runs only at positions whose next token is trained, in chunks,
-and each chunk's gradients are computed in the forward pass (as fused linear-cross-entropy kernels do), so peak
-memory holds one chunk of logits and the head costs exactly its three matmuls, with no recomputation.
+The chunked causal-LM loss never materialises full-vocabulary logits for the whole batch. The LM head dominates SFT
+compute and memory on small and mid-size models (a 32k vocabulary x 4k tokens of fp32 logits is 512 MB, plus its
+gradient). Here the head runs only at positions whose next token is trained, in chunks, and each chunk's gradients
+are computed in the forward pass (as fused linear-cross-entropy kernels do), so peak memory holds one chunk of logits
+and the head costs exactly its three matmuls, with no recomputation.
 """
 
 import functools
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from accelerate import Accelerator
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -191,3 +193,68 @@ def seq2seq_token_loss(model: nn.Module, inputs: dict, normalizer: torch.Tensor 
         normalizer = (labels != IGNORE_INDEX).sum()
     return total / torch.as_tensor(normalizer, dtype=torch.float32, device=total.device).clamp(min=1)
 
+
+class TokenLoss:
+    """One trainer's loss choices, made once: the chunked forward where the model has a plain head (it then applies
+    label smoothing itself: transformers' LabelSmoother would need the full logits), the step-normalised decoder
+    loss for encoder-decoder training."""
+
+    def __init__(self, model: nn.Module, chunked: bool, label_smoothing: float) -> None:
+        self.chunked = chunked and attach_chunked_loss(model, label_smoothing)
+
+    @staticmethod
+    def seq2seq(model: nn.Module, inputs: dict, num_items_in_batch: torch.Tensor | int | None,
+                processes: int = 1) -> torch.Tensor:
+        """seq2seq_token_loss, times `processes` where num_items_in_batch counts every process's tokens (the
+        Trainer then divides the gradients by the process count)."""
+        loss = seq2seq_token_loss(model, inputs, num_items_in_batch)
+        return loss * processes if processes != 1 else loss
+
+    def prediction_inputs(self, inputs: dict[str, Any], prediction_loss_only: bool) -> dict[str, Any]:
+        """The batch for a prediction step: predict() / compute_metrics want logits, which the chunked forward
+        returns only when asked."""
+        return {**inputs, "full_logits": True} if self.chunked and not prediction_loss_only else inputs
+
+
+class EvalTokenSums:
+    """Sums of token losses and trained tokens over one evaluation, so eval loss is a token mean however rows are
+    grouped.
+
+    Multi-process, per-row sums are gathered with gather_for_metrics, which drops the rows accelerate repeats to
+    even out the last batch. A flattened (padding-free) batch is split back into its examples; when those are packed
+    rows they cannot be told apart, and the repeats (at most one batch) count.
+    """
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+        self.sums = torch.zeros(2)
+        self.split_examples = self.dedup = False  # decided per evaluation (start)
+
+    def start(self, flattened: bool, packed: bool, device: torch.device | str) -> None:
+        """Zero the sums for an evaluation over flattened (padding-free) and/or packed batches."""
+        self.sums = torch.zeros(2, device=device)
+        self.split_examples = flattened and not packed
+        self.dedup = self.accelerator.num_processes > 1 and not (flattened and packed)
+
+    def add(self, outputs: Any, inputs: dict[str, Any], shifted: bool) -> None:
+        """Add one eval batch: the chunked forward's token_losses, else the cross entropy of the model's logits."""
+        labels = inputs["labels"]
+        token_losses = outputs.get("token_losses") if isinstance(outputs, dict) else None
+        if token_losses is None:  # models without the chunked forward return logits
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
+            token_losses = token_cross_entropy(logits, labels, shifted)
+        targets = labels[:, 1:] if shifted else labels
+        trained = targets != IGNORE_INDEX
+        rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)
+        if self.split_examples:
+            rows = (inputs["position_ids"] == 0).cumsum(-1)[:, 1:] - 1  # example of each target token
+        values = torch.stack([token_losses[trained].float(), torch.ones_like(token_losses[trained])], dim=1)
+        sums = torch.zeros(int(rows.max()) + 1, 2, device=values.device).index_add_(0, rows[trained], values)
+        if self.dedup:
+            sums = self.accelerator.gather_for_metrics(sums)
+        self.sums += sums.sum(0).to(self.sums.device)
+
+    def mean(self) -> float | None:
+        """The mean loss over every process's trained tokens (None when none was trained); a collective."""
+        sums = self.sums if self.dedup else self.accelerator.reduce(self.sums, reduction="sum")
+        return float(sums[0] / sums[1]) if sums[1] > 0 else None

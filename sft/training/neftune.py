@@ -5,6 +5,8 @@ about sqrt(k) too little noise. Here each token's noise uses the length L_i of t
 alpha / sqrt(L_i * d), as in the NEFTune paper; padding gets none.
 """
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,6 +46,19 @@ class NEFTune:
         if self._handle is not None:
             self._handle.remove()
         self._handle, self.lengths = None, None
+
+    @contextlib.contextmanager
+    def attached(self, embeddings: nn.Module) -> Iterator["NEFTune"]:
+        """The noise hook on `embeddings` for the duration of the block."""
+        self.attach(embeddings)
+        try:
+            yield self
+        finally:
+            self.detach()
+
+    def see(self, inputs: dict[str, Any]) -> None:
+        """Take the example lengths of the batch the next training forward embeds."""
+        self.lengths = token_example_lengths(inputs)
 
     def _hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         if not module.training or self.lengths is None or self.lengths.shape != output.shape[:2]:

@@ -5,8 +5,10 @@ Each rank only records what it received; at every step end all ranks agree (one 
 the same step and enter the collective checkpoint save together instead of hanging in mismatched collectives.
 """
 
+import contextlib
 import logging
 import signal
+from collections.abc import Iterator
 from types import FrameType
 
 import torch
@@ -39,6 +41,15 @@ class StopOnSignal(TrainerCallback):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The handlers for the duration of the block (training)."""
+        self.install()
+        try:
+            yield
+        finally:
+            self.uninstall()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received:
