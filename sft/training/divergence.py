@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -18,8 +19,8 @@ from transformers.trainer_utils import get_last_checkpoint
 class DivergenceGuard(TrainerCallback):
     """Stops at the first optimizer step whose loss (or logged gradient norm) is not finite."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
         self._step_loss = 0.0
         self._grad_norm = 0.0
         self.last_finite: tuple[int, float] | None = None  # (step, loss) of the last good step
@@ -76,10 +77,10 @@ class DivergenceGuard(TrainerCallback):
 
     def _agree(self, finite: bool) -> bool:
         """Every rank stops together: one rank's NaN must not leave the others waiting in a collective."""
-        if self.trainer.accelerator.num_processes == 1:
+        if self.accelerator.num_processes == 1:
             return finite
-        flag = torch.tensor([0.0 if finite else 1.0], device=self.trainer.accelerator.device)
-        return float(self.trainer.accelerator.reduce(flag, reduction="sum")) == 0.0
+        flag = torch.tensor([0.0 if finite else 1.0], device=self.accelerator.device)
+        return float(self.accelerator.reduce(flag, reduction="sum")) == 0.0
 
     def message(self, args: TrainingArguments) -> str:
         """What happened, what is kept, and what to change."""

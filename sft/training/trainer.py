@@ -62,7 +62,7 @@ class SFTMixin:
         self.neftune_noise_alpha = None
         self.stop_on_signal = StopOnSignal(self.accelerator)
         self.add_callback(self.stop_on_signal)
-        self.divergence = DivergenceGuard(self)
+        self.divergence = DivergenceGuard(self.accelerator)
         self.add_callback(self.divergence)  # after StopOnSignal: a diverged step is not saved on a signal either
         self.checkpoint_staging = CheckpointStaging(self.accelerator)
         generating = isinstance(self.args, Seq2SeqTrainingArguments) and self.args.predict_with_generate
