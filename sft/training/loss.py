@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.utils import ModelOutput
 
+from sft.data.boundaries import starts
 from sft.data.encode import IGNORE_INDEX
 from sft.models.families import has_plain_head
 
@@ -247,7 +248,7 @@ class EvalTokenSums:
         trained = targets != IGNORE_INDEX
         rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)
         if self.split_examples:
-            rows = (inputs["position_ids"] == 0).cumsum(-1)[:, 1:] - 1  # example of each target token
+            rows = starts(inputs["position_ids"]).cumsum(-1)[:, 1:] - 1  # example of each target token
         values = torch.stack([token_losses[trained].float(), torch.ones_like(token_losses[trained])], dim=1)
         sums = torch.zeros(int(rows.max()) + 1, 2, device=values.device).index_add_(0, rows[trained], values)
         if self.dedup:
