@@ -152,12 +152,12 @@ def count_tokens(trainer, counts: list) -> None:
 def run_sft(args: argparse.Namespace, workdir: Path, timer: StepTimer) -> dict:
     sys.path.insert(0, str(REPO))
     from sft.data.build import prepare_splits
+    from sft.data.stats import compute_stats
     from sft.data.tokenizer import load_tokenizer
     from sft.models.loading import load_model
-    from sft.training.recipe import load_recipe
-    from sft.data.stats import compute_stats
-    from sft.training.trainer import SFTTrainer
     from sft.training.flows import apply_packing
+    from sft.training.recipe import load_recipe
+    from sft.training.trainer import SFTTrainer
 
     config = load_recipe(common_recipe(args, workdir) | {"dataset_format": "prompt_completion",
                                                          "packing": args.packing == "on", "dtype": dtype(args)})

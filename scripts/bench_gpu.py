@@ -172,12 +172,12 @@ def load_model(spec: dict):
 def sft_trainer(spec: dict, callback):
     """sft's recipe path: its packer, chunked loss, fused AdamW default, LoRA/QLoRA from recipe keys."""
     from sft.data.build import prepare_splits
+    from sft.data.stats import compute_stats
     from sft.data.tokenizer import load_tokenizer
     from sft.models.loading import load_model as sft_load_model
-    from sft.training.recipe import load_recipe
-    from sft.data.stats import compute_stats
-    from sft.training.trainer import SFTTrainer
     from sft.training.flows import apply_packing
+    from sft.training.recipe import load_recipe
+    from sft.training.trainer import SFTTrainer
 
     workdir, peft = Path(spec["workdir"]), spec["method"] != "full"
     recipe = common_args(spec) | {
@@ -217,7 +217,12 @@ def trl_trainer(spec: dict, callback):
 
 def plain_trainer(spec: dict, callback):
     """transformers.Trainer as its docs teach: tokenized prompt + completion (prompt masked), padded batches."""
-    from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+    from transformers import (
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        Trainer,
+        TrainingArguments,
+    )
 
     workdir = Path(spec["workdir"])
     tokenizer = AutoTokenizer.from_pretrained(workdir / "model")

@@ -16,9 +16,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sft.data.bins import best_fit_decreasing, n_bins, pack_bins  # noqa: E402
 from sft.data.encode import Encoding  # noqa: E402
 from sft.data.formats import render_alpaca  # noqa: E402
-from sft.data.bins import best_fit_decreasing, n_bins, pack_bins  # noqa: E402
 from sft.data.packing import pack_dataset_with_stats  # noqa: E402
 
 datasets.disable_progress_bars()

@@ -14,9 +14,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally; never reach a hub
 
 import torch  # noqa: E402
-from transformers import GenerationConfig, PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration  # noqa: E402
-
 from make_tiny_model import DATA, folder_size, tokenizer_corpus, train_tokenizer  # noqa: E402  (same folder)
+from transformers import (  # noqa: E402
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 SIZE_LIMIT = 2 * 1024 * 1024  # the embedded model must stay small enough to live in the repository
 

@@ -9,10 +9,10 @@ GPU kind, so H100-80GB is used.
 import sys
 from pathlib import Path
 
-from sft.training.catalog import default_root, list_recipes, read_header
 from sft.errors import SFTError
 from sft.planning.hardware import find_gpu
 from sft.planning.plan import Plan, plan_recipe
+from sft.training.catalog import default_root, list_recipes, read_header
 from sft.training.recipe import load_recipe
 
 CPU = " On CPU: "

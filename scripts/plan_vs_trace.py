@@ -12,9 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_plan import SWEEP, planned_and_traced, recipe  # noqa: E402
 
-from sft.planning import memory, plan as planner  # noqa: E402
-
 from sft.models.architectures import known_config  # noqa: E402
+from sft.planning import memory  # noqa: E402
+from sft.planning import plan as planner
 from sft.planning.memtrace import trace_step  # noqa: E402
 from sft.training.recipe import load_recipe  # noqa: E402
 

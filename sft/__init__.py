@@ -7,7 +7,7 @@ The package map (layers, lowest first; a layer imports only from layers below it
     sft.models              2  model facts (architectures, family capabilities), loading, adapters, quantization, merge
     sft.data                3  sources, formats, chat templates and masks, encoding, packing, statistics
     sft.evaluation          4  generation settings, generation-based evaluation, metrics
-    sft.training            5  recipes and presets, the Trainer and its concerns, loss, checkpoints, the train/eval flows
+    sft.training            5  recipes and presets, the Trainer and its concerns, loss, checkpoints, train/eval flows
     sft.planning            6  `sft plan`: memory and time from the recipe's model on the meta device
     sft.check               6  `sft check [--prove]`: the recipe run on a tiny model of its architecture
     sft.cli                 7  the `sft` verbs

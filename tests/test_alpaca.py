@@ -8,10 +8,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from conftest import FIXTURES, REPO, make_llama, make_tokenizer, write_json
 from sft.cli.alpaca import main
 from sft.data.encode import IGNORE_INDEX, Encoding
 from sft.data.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, render_alpaca
+
+from conftest import FIXTURES, REPO, make_llama, make_tokenizer, write_json
 
 STANFORD_COMMAND = (
     "--bf16 True --num_train_epochs 3 --per_device_train_batch_size 4 --per_device_eval_batch_size 4 "

@@ -21,9 +21,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from sft.data.chat import ChatRenderer
 from sft.data.chat_templates import PRESETS, prepare_tokenizer_for_template, preset_end_of_turn, resolve_chat_template
 from sft.data.encode import Encoding
-from sft.errors import SFTError
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT, detect_format, row_renderer
 from sft.data.show import show_examples
+from sft.errors import SFTError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 TOKENIZERS = FIXTURES / "tokenizers"

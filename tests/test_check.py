@@ -2,10 +2,11 @@
 
 import pytest
 
-from conftest import REPO
-from sft.training.catalog import list_recipes
 from sft.cli.main import main
 from sft.models.families import guess_model_type
+from sft.training.catalog import list_recipes
+
+from conftest import REPO
 
 RECIPES = list_recipes(REPO / "recipes")
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
+
+from conftest import make_llama
 
 
 def toy_data(n: int = 32) -> datasets.Dataset:

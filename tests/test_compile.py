@@ -5,14 +5,15 @@ import shutil
 
 import pytest
 import torch
+from test_loss import batch
+from test_trainer import toy_dataset
 from torch import nn
 from transformers.trainer_pt_utils import LabelSmoother
 
 import sft.training.loss
-from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
-from test_loss import batch
-from test_trainer import toy_dataset
+
+from conftest import make_llama
 
 
 class RecordingTrainer(SFTTrainer):

@@ -19,10 +19,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import EMBEDDED_MODEL, REPO
 from sft.cli.launch import launch_command
-from sft.training.recipe import load_recipe
 from sft.training.flows import train
+from sft.training.recipe import load_recipe
+
+from conftest import EMBEDDED_MODEL, REPO
 
 pytestmark = pytest.mark.multiprocess
 PROBE = REPO / "tests" / "batch_probe.py"

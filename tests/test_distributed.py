@@ -7,14 +7,15 @@ import pytest
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from conftest import REPO
+from sft.cli.launch import launch_command, split_arguments
 from sft.cli.main import main
 from sft.config.arguments import SFTConfig
+from sft.errors import SFTError
 from sft.models.families import family
 from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, PRESETS
-from sft.errors import SFTError
-from sft.cli.launch import launch_command, split_arguments
 from sft.training.recipe import FIELDS, load_recipe, resolved_recipe
+
+from conftest import REPO
 
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
              vocab_size=64)

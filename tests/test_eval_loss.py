@@ -3,14 +3,15 @@ padding-free batches. (Multi-process exactness: tests/test_ddp.py.)"""
 
 import pytest
 import torch
+from test_loss import batch
+from test_trainer import toy_dataset
 from torch.overrides import TorchFunctionMode
 
-from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
 from sft.data.encode import IGNORE_INDEX
 from sft.training.loss import attach_chunked_loss, reference_causal_loss
-from test_loss import batch
-from test_trainer import toy_dataset
+
+from conftest import make_llama
 
 VOCAB = 300
 

@@ -4,7 +4,6 @@ loss) and packing isolation are decided; every caller reads it."""
 import pytest
 from transformers import AutoConfig
 
-from conftest import make_llama
 from sft.errors import SFTError
 from sft.models import families
 from sft.models.families import FAMILIES, Family
@@ -12,6 +11,8 @@ from sft.planning.memory import chunked_loss_applies
 from sft.training.flows import check_packing_model
 from sft.training.loss import supports_chunked_loss
 from sft.training.recipe import load_recipe
+
+from conftest import make_llama
 
 
 @pytest.fixture

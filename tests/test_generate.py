@@ -9,15 +9,16 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import EMBEDDED_MODEL, REPO, make_tokenizer
 from sft import SFTError, load_recipe, train
 from sft.cli import chat
 from sft.cli.main import main
 from sft.data.chat_templates import stop_token_ids
-from sft.evaluation import generation
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT
+from sft.evaluation import generation
 from sft.evaluation.generation import GenerationOptions, render_prompt
 from sft.models.saved import load_for_inference
+
+from conftest import EMBEDDED_MODEL, REPO, make_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -8,12 +8,13 @@ import pytest
 import torch
 from transformers import DataCollatorForSeq2Seq, GenerationConfig
 
-from conftest import EMBEDDED_MODEL, make_llama, write_json
 from sft import SFTConfig, SFTTrainer, build_datasets, load_recipe, train
 from sft.cli.main import main
-from sft.data.encode import IGNORE_INDEX
 from sft.data.collators import PackedCollator, PaddingFreeCollator
+from sft.data.encode import IGNORE_INDEX
 from sft.evaluation.predict import causal_examples, eval_generation_config
+
+from conftest import EMBEDDED_MODEL, make_llama, write_json
 
 # Prompts of different lengths, so left padding is exercised; answers a tiny model can memorise.
 QA = [("Q: add 1 and 2\nA:", " 3"), ("Q: the capital of France\nA:", " Paris"), ("Q: hi\nA:", " Hello"),

@@ -8,14 +8,15 @@ import sys
 
 import pytest
 import torch
-
-from conftest import make_llama
-from sft import SFTConfig, SFTTrainer
-from sft.data.packing import pack_dataset
 from test_compile import count_chunked, losses  # noqa: F401  (count_chunked is a fixture)
 from test_ddp import PROBE, STEPS, max_weight_difference, one_process, run, write_recipe
 from test_mixed_precision import train_step
 from test_trainer import toy_dataset
+
+from sft import SFTConfig, SFTTrainer
+from sft.data.packing import pack_dataset
+
+from conftest import make_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from sft.data.sources import Source, load_source
 from sft.errors import SFTError
 from sft.training.recipe import load_recipe
-from sft.data.sources import Source, load_source
 
 CORPUS = Path(__file__).parent / "bad_inputs"
 ROWS = json.loads((CORPUS / "good.json").read_text())

@@ -3,8 +3,14 @@
 import pytest
 
 from sft.data.encode import IGNORE_INDEX, Encoding
-from sft.data.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, Rendered, render_alpaca, \
-    render_prompt_completion, render_text
+from sft.data.formats import (
+    ALPACA_PROMPT_INPUT,
+    ALPACA_PROMPT_NO_INPUT,
+    Rendered,
+    render_alpaca,
+    render_prompt_completion,
+    render_text,
+)
 
 
 def encode_one(tokenizer, rendered, max_length=512, side="right"):

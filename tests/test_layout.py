@@ -4,8 +4,6 @@ is over 400 lines and no function over 50. The rank table is the package map of 
 import ast
 from pathlib import Path
 
-import pytest
-
 from conftest import REPO
 
 FOUNDATION = ("sft.errors", "sft.rundir")  # layer 0: top-level modules that may import each other
@@ -42,7 +40,8 @@ def imported(path: Path, name: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
             found.add(base)
             found |= {f"{base}.{alias.name}" for alias in node.names}
     return {m for m in found if m == "sft" or m.startswith("sft.")}

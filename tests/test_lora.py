@@ -12,11 +12,12 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from conftest import write_json
 from sft import SFTError, build_datasets, load_recipe, rundir, train
 from sft.data.tokenizer import load_tokenizer
 from sft.models.loading import load_model
 from sft.training.trainer import SFTTrainer
+
+from conftest import write_json
 
 ROWS = [{"prompt": "Add 2 and 3:", "completion": " 5"}, {"prompt": "The capital of France is", "completion": " Paris."}]
 

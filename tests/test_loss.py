@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from conftest import make_llama
 from sft.data.encode import IGNORE_INDEX
 from sft.training.loss import LinearCrossEntropy, attach_chunked_loss, reference_causal_loss
+
+from conftest import make_llama
 
 
 def batch(vocab: int, seed: int = 0):

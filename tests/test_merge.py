@@ -9,12 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import make_llama, write_json
 from sft import load_recipe, train
 from sft.cli.main import main
 from sft.data.tokenizer import load_tokenizer
 from sft.models.loading import load_model
 from sft.models.saved import load_for_inference
+
+from conftest import make_llama, write_json
 
 ROWS = [{"prompt": "Add 2 and 3 <|calc|>", "completion": " 5"},
         {"prompt": "The capital of France is", "completion": " Paris."}]

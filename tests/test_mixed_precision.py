@@ -3,14 +3,15 @@ bf16 step really runs the linear layers in bf16 under autocast while the master 
 
 import pytest
 import torch
+from test_trainer import toy_dataset
 from torch import nn
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
 from sft.errors import SFTError
 from sft.training.recipe import load_recipe
-from test_trainer import toy_dataset
+
+from conftest import make_llama
 
 
 def test_bf16_sets_mixed_precision_and_the_zero3_json():

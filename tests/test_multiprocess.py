@@ -21,9 +21,10 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO, write_json
-from sft.training.recipe import load_recipe
 from sft.training.flows import train
+from sft.training.recipe import load_recipe
+
+from conftest import REPO, write_json
 
 pytestmark = pytest.mark.multiprocess
 PROBE = REPO / "tests" / "sharding_probe.py"

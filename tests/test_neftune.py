@@ -6,9 +6,10 @@ import datasets
 import pytest
 import torch
 
-from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
 from sft.training.neftune import NEFTune, token_example_lengths
+
+from conftest import make_llama
 
 ALPHA, HIDDEN = 5.0, 32
 # Expected norm of one example's noise: the sum of its L*d squared uniform(-s, s) draws, s = alpha / sqrt(L*d), has

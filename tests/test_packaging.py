@@ -1,8 +1,9 @@
 """The wheel's package list names every Python package under sft/ (a missing one installs a broken `sft`, which
 only the slow install test would otherwise notice)."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from conftest import REPO
 

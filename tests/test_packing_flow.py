@@ -5,8 +5,9 @@ import json
 import pytest
 from transformers import AutoTokenizer, OPTConfig
 
-from conftest import REPO
 from sft.cli.main import main
+
+from conftest import REPO
 
 ALPACA = REPO / "data" / "alpaca_sample.json"
 

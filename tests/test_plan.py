@@ -9,14 +9,16 @@ import shlex
 import pytest
 import torch
 
-from conftest import REPO
-from sft.planning import memory, plan as planner
-from sft.models.architectures import known_config
-from sft.training.catalog import list_recipes
 from sft.cli.main import main
+from sft.models.architectures import known_config
+from sft.planning import memory
+from sft.planning import plan as planner
 from sft.planning.hardware import find_gpu
 from sft.planning.memtrace import build_model, quantized_bytes, trace_step, train_steps
+from sft.training.catalog import list_recipes
 from sft.training.recipe import load_recipe
+
+from conftest import REPO
 
 QLORA_8B = str(REPO / "recipes" / "llama-3.1-8b-instruct" / "qlora.yaml")
 # Recipes whose architecture the planner does not model (encoder-decoder): their headers stay hand-written.

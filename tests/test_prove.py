@@ -14,18 +14,10 @@ import torch
 import transformers
 import yaml
 from safetensors.torch import save_file
+from test_template_masks import FAMILIES
 from transformers import GenerationConfig
 
 import sft.evaluation.predict
-from conftest import REPO
-from test_template_masks import FAMILIES
-from sft.data.chat import ChatRenderer
-from sft.data.chat_templates import PRESETS, stop_token_ids
-from sft.cli.main import main
-from sft.data.encode import Encoding
-from sft.data.proven_templates import unproven_template_hint
-from sft.errors import SFTError
-from sft.evaluation.predict import Example
 from sft.check.prove import prove_recipe
 from sft.check.prove.batches import prove_batching, prove_packing
 from sft.check.prove.bench import Bench
@@ -33,7 +25,16 @@ from sft.check.prove.generation import prove_generation
 from sft.check.prove.masks import check_chat_row, prove_masks
 from sft.check.prove.result import Proof
 from sft.check.prove.runs import prove_resume, prove_save_load, save_like_train
+from sft.cli.main import main
+from sft.data.chat import ChatRenderer
+from sft.data.chat_templates import PRESETS, stop_token_ids
+from sft.data.encode import Encoding
+from sft.data.proven_templates import unproven_template_hint
+from sft.errors import SFTError
+from sft.evaluation.predict import Example
 from sft.training.trainer import SFTTrainer
+
+from conftest import REPO
 
 EMBEDDED = REPO / "data" / "models" / "tiny-llama"
 # A LoRA chat recipe on the embedded model that uses every proof: packing, accumulation, dropout after the resume
@@ -186,8 +187,8 @@ def cpu_seconds() -> float:
 
 def test_sft_train_logs_the_hint_for_chat_data_only(tmp_path, caplog):
     from sft.data.tokenizer import load_tokenizer
-    from sft.training.recipe import load_recipe
     from sft.training.flows import hint_unproven_template
+    from sft.training.recipe import load_recipe
 
     tokenizer = load_tokenizer(load_recipe(write_recipe(tmp_path)))
     with caplog.at_level(logging.INFO, logger="sft.training.flows"):

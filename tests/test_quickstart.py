@@ -7,8 +7,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import EMBEDDED_MODEL, REPO
 from sft.cli.main import main
+
+from conftest import EMBEDDED_MODEL, REPO
 
 pytestmark = pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), reason="embedded model not built")
 PROMISED = ["model.safetensors", "config.json", "tokenizer.json", "recipe.yaml", "trainer_state.json",

@@ -2,10 +2,11 @@
 
 import pytest
 
-from conftest import REPO
-from sft.training.catalog import list_recipes, recipes_table
 from sft.cli.main import main
+from sft.training.catalog import list_recipes, recipes_table
 from sft.training.recipe import load_recipe
+
+from conftest import REPO
 
 RECIPES = list_recipes(REPO / "recipes")
 LAUNCHERS = {"sft", "accelerate", "torchrun", "deepspeed", "python"}

@@ -5,12 +5,13 @@ import logging
 import pytest
 import torch
 
-from conftest import make_llama
 from sft.cli.main import main
-from sft.errors import SFTError
 from sft.data.tokenizer import load_tokenizer
+from sft.errors import SFTError
 from sft.models.loading import load_model
 from sft.training.recipe import load_recipe
+
+from conftest import make_llama
 
 SECRET = "hf_DoNotLeakThisToken123"
 

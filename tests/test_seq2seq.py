@@ -8,11 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5Config, T5ForConditionalGeneration
 
-from conftest import FIXTURES, write_json
 from sft import Seq2SeqSFTTrainer, SFTConfig, SFTError, build_datasets, load_recipe, train
 from sft.data.build import prepare_splits
 from sft.data.encode import IGNORE_INDEX
 from sft.data.seq2seq import fit_keeping_special
+
+from conftest import FIXTURES, write_json
 
 FLAN_T5_TOKENIZER = FIXTURES / "tokenizers" / "flan-t5-seq2seq-no-chat-template"
 PAIRS = [("add 1 and 2", "3"), ("add 3 and 4", "7"), ("the capital of France", "Paris"), ("greet me", "Hello"),

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from conftest import REPO
 from sft import SFTError, load_recipe
 from sft.training.catalog import shipped
+
+from conftest import REPO
 
 
 @pytest.mark.parametrize("reference", ["quickstart", "recipes/quickstart.yaml", "quickstart.yaml"])

@@ -3,11 +3,12 @@
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import FIXTURES, write_json
 from sft import load_recipe
 from sft.data.build import prepare_splits
 from sft.data.encode import IGNORE_INDEX
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT
+
+from conftest import FIXTURES, write_json
 
 TEXT = [{"text": "The quick brown fox jumps over the lazy dog."}]
 ALPACA = [{"instruction": "Say hello.", "input": "", "output": "Hello, how are you today?"}]

@@ -4,9 +4,10 @@ import datasets
 import pytest
 import torch
 
-from conftest import make_llama
 from sft import SFTConfig, SFTTrainer
 from sft.data.encode import IGNORE_INDEX
+
+from conftest import make_llama
 
 
 def toy_dataset(seed: int = 0) -> datasets.Dataset:

@@ -12,14 +12,19 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from sft.config.arguments import SFTConfig
+from sft.data.chat_templates import generation_eos
+from sft.errors import SFTError
 from sft.models.families import guess_model_type
 from sft.training.catalog import shipped
-from sft.data.chat_templates import generation_eos
-from sft.config.arguments import SFTConfig
-from sft.errors import SFTError
 from sft.training.recipe import load_recipe
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ import torch
 
 from sft.cli.console import quiet_optional_backends, recipe_keys_help, setup_logging
 from sft.errors import SFTError
-from sft.training.recipe import RENAMED, load_recipe, parse_flags
 from sft.training.flows import train
+from sft.training.recipe import RENAMED, load_recipe, parse_flags
 
 log = logging.getLogger(__name__)
 GPU_ONLY = ("bf16", "tf32", "fsdp", "fsdp_config", "fsdp_transformer_layer_cls_to_wrap")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, PRESETS
 from sft.errors import SFTError
+from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, PRESETS
 from sft.training.recipe import FIELDS, coerce, parse_flags, read_recipe_file
 
 

@@ -119,8 +119,8 @@ def with_help(sub: argparse.ArgumentParser, run: Callable) -> Callable:
 
 def run_train(args: argparse.Namespace, rest: list[str]) -> None:
     """sft train RECIPE [--key value ...]"""
-    from sft.training.recipe import load_recipe
     from sft.training.flows import train
+    from sft.training.recipe import load_recipe
 
     out = train(load_recipe(args.recipe, flags=rest))
     log.info("Done. Model, tokenizer, recipe.yaml, metrics, loss.png and README.md are in %s", out)
@@ -141,8 +141,8 @@ def run_data(args: argparse.Namespace, rest: list[str]) -> None:
 
 def run_eval(args: argparse.Namespace, rest: list[str]) -> None:
     """sft eval RECIPE [--key value ...]"""
-    from sft.training.recipe import load_recipe
     from sft.training.flows import evaluate
+    from sft.training.recipe import load_recipe
 
     metrics = evaluate(load_recipe(args.recipe, flags=rest))
     print("\n".join(f"{k:<28} {v:.6g}" if isinstance(v, float) else f"{k:<28} {v}" for k, v in metrics.items()))
@@ -278,7 +278,8 @@ def add_plan_verb(verbs: argparse._SubParsersAction) -> None:
 
     plan = add_recipe_verb(verbs, "plan", "will a recipe fit on a GPU, how fast will it run, which setting makes "
                                           "it fit (offline, in seconds)", run_plan)
-    plan.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU kind (default {DEFAULT_GPU}; see sft/planning/hardware.py)")
+    plan.add_argument("--gpu", default=DEFAULT_GPU,
+                      help=f"GPU kind (default {DEFAULT_GPU}; see sft/planning/hardware.py)")
     plan.add_argument("--num_gpus", type=int, default=1, help="GPUs per node (default 1)")
     plan.add_argument("--num_nodes", type=int, default=1, help="nodes (default 1)")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")

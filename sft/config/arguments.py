@@ -6,7 +6,11 @@ from typing import Any
 
 import torch
 from transformers import Seq2SeqTrainingArguments
-from transformers.utils import is_torch_bf16_gpu_available, is_torch_tf32_available, is_torch_xla_available
+from transformers.utils import (
+    is_torch_bf16_gpu_available,
+    is_torch_tf32_available,
+    is_torch_xla_available,
+)
 
 # Flags a machine may be unable to honour. A recipe that sets them must still load (and pass `sft check`) on a
 # laptop: where the hardware lacks them they are held back from TrainingArguments' validation and reported when

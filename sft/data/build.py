@@ -10,20 +10,27 @@ import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
+from sft.config.arguments import SFTConfig
 from sft.data import chat as chat_module
 from sft.data import chat_templates as templates_module
 from sft.data import encode as encode_module
 from sft.data import formats as formats_module
 from sft.data import messages as messages_module
 from sft.data import seq2seq as seq2seq_module
-from sft.config.arguments import SFTConfig
 from sft.data.encode import Encoding
-from sft.errors import SFTError
-from sft.data.formats import (CHAT_FORMATS, Rendered, check_columns, check_sft_data, default_completion_only, detect_format,
-                         row_renderer)
+from sft.data.formats import (
+    CHAT_FORMATS,
+    Rendered,
+    check_columns,
+    check_sft_data,
+    default_completion_only,
+    detect_format,
+    row_renderer,
+)
 from sft.data.seq2seq import Seq2SeqEncoding, pair_renderer
 from sft.data.sources import Source, load_source, parse_sources, repeat_by_weight
 from sft.data.tokenizer import load_tokenizer
+from sft.errors import SFTError
 from sft.models.loading import is_encoder_decoder
 
 TOKEN_COLUMNS = ["input_ids", "labels", "length"]

@@ -25,10 +25,15 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from sft.data.chat_templates import PRESETS, REPLY_MARK, resolve_chat_template, stop_tokens
-from sft.errors import SFTError
+from sft.data.chat_templates import (
+    PRESETS,
+    REPLY_MARK,
+    resolve_chat_template,
+    stop_tokens,
+)
 from sft.data.formats import Rendered
 from sft.data.messages import Message, Row, conversation
+from sft.errors import SFTError
 
 NO_ASSISTANT_TURN = ("error", "drop")
 HISTORY = ("split", "last", "error")

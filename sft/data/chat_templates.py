@@ -330,11 +330,11 @@ def stop_tokens(tokenizer: PreTrainedTokenizerBase, template: str | None = None,
 
     The one place this is decided (chat masks call it; `sft generate`/`chat`, generation-based eval and `sft check
     --prove` take its ids from stop_token_ids): the tokenizer's EOS and the generation config's `eos_token_id` list
-    (GPT-OSS <|return|>/<|call|>, GLM <|user|>/<|observation|>, Llama-3.1 <|eom_id|>). When neither follows a final reply in the template's rendering (no
-    generation config, or one that does not cover this template), the special token the template writes right
-    after an earlier reply is added, unless a known stop already follows it there: a base tokenizer's
-    <|endoftext|> under ChatML gains <|im_end|>, Phi-3 (whose template writes EOS after the last turn only) gains
-    <|end|>, and Cohere2 keeps stopping at <|END_OF_TURN_TOKEN|>, not <|END_RESPONSE|>.
+    (GPT-OSS <|return|>/<|call|>, GLM <|user|>/<|observation|>, Llama-3.1 <|eom_id|>). When neither follows a final
+    reply in the template's rendering (no generation config, or one that does not cover this template), the special
+    token the template writes right after an earlier reply is added, unless a known stop already follows it there:
+    a base tokenizer's <|endoftext|> under ChatML gains <|im_end|>, Phi-3 (whose template writes EOS after the last
+    turn only) gains <|end|>, and Cohere2 keeps stopping at <|END_OF_TURN_TOKEN|>, not <|END_RESPONSE|>.
     """
     configured = generation_eos if isinstance(generation_eos, list) else [generation_eos]
     ids = [i for i in [tokenizer.eos_token_id, *configured] if i is not None]

@@ -4,13 +4,11 @@ Rows render through the same format renderers as decoder-only data (alpaca, prom
 completion-only: the text before the trained span is the source, the span is the target.
 """
 
-from dataclasses import dataclass
 from typing import Callable
 
-from transformers import PreTrainedTokenizerBase
-
-from sft.errors import SFTError
+from sft.data.encode import Encoding
 from sft.data.formats import RENDERERS, Rendered, field_text
+from sft.errors import SFTError
 
 SEQ2SEQ_FORMATS = ("seq2seq", "prompt_completion", "alpaca")
 
@@ -33,13 +31,8 @@ def pair_renderer(fmt: str) -> Callable[[dict, str, int], Rendered]:
     return lambda row, where, number: render(row, where, number, True)
 
 
-@dataclass
-class Seq2SeqEncoding:
-    """Turns Rendered source+target rows into encoder input_ids and decoder labels (drop-in for sft.data.encode.Encoding)."""
-
-    tokenizer: PreTrainedTokenizerBase
-    max_length: int
-    truncation_side: str = "right"
+class Seq2SeqEncoding(Encoding):
+    """Encoding's settings, turning Rendered source+target rows into encoder input_ids and decoder labels."""
 
     def encode(self, rows: list[Rendered]) -> dict[str, list]:
         """input_ids, labels, length (source + target tokens), truncated and trained per row."""

@@ -5,7 +5,11 @@ import logging
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from sft.config.arguments import SFTConfig
-from sft.data.chat_templates import PRESETS, prepare_tokenizer_for_template, resolve_chat_template
+from sft.data.chat_templates import (
+    PRESETS,
+    prepare_tokenizer_for_template,
+    resolve_chat_template,
+)
 from sft.errors import SFTError
 from sft.models.loading import check_model_reference
 

@@ -7,7 +7,12 @@ import jinja2
 import torch
 import transformers
 from peft import PeftModel
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
+from transformers import (
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TextStreamer,
+)
 
 from sft.data.chat_templates import stop_token_ids
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT

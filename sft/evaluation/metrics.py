@@ -23,7 +23,9 @@ def exact_match(predictions: list[str], references: list[str]) -> dict[str, floa
 
 def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
     """Mean ROUGE-1, ROUGE-2 and ROUGE-L F1 (Google's rouge-score, Porter stemming, as summarisation papers use)."""
-    from rouge_score import rouge_scorer  # imported on use: only generation evals pay for nltk
+    from rouge_score import (
+        rouge_scorer,  # imported on use: only generation evals pay for nltk
+    )
 
     kinds = ("rouge1", "rouge2", "rougeL")
     scorer = rouge_scorer.RougeScorer(list(kinds), use_stemmer=True)

@@ -23,7 +23,12 @@ import datasets
 import torch
 from accelerate import Accelerator
 from torch import nn
-from transformers import GenerationConfig, PreTrainedTokenizerBase, Seq2SeqTrainer, Seq2SeqTrainingArguments
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+)
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 

@@ -4,7 +4,13 @@ import logging
 import warnings
 from pathlib import Path
 
-from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from peft import (
+    LoraConfig,
+    PeftConfig,
+    PeftModel,
+    get_peft_model,
+    prepare_model_for_kbit_training,
+)
 from transformers import PreTrainedModel
 
 from sft.config.arguments import SFTConfig
@@ -63,7 +69,8 @@ def add_adapter(model: PreTrainedModel, config: SFTConfig, new_token_ids: list[i
     Args:
         model: the loaded base model, embeddings already resized for the tokenizer.
         config: the recipe.
-        new_token_ids: ids of tokens added to the vocabulary (sft.models.loading.fit_embeddings); their rows get trained.
+        new_token_ids: ids of tokens added to the vocabulary (sft.models.loading.fit_embeddings); their rows get
+            trained.
     """
     if config.load_in_4bit or config.load_in_8bit:
         prepare_quantized_base(model)

@@ -9,7 +9,11 @@ packing refused as unverified.
 
 from dataclasses import dataclass
 
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, PretrainedConfig
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+    PretrainedConfig,
+)
 
 from sft.errors import SFTError
 from sft.models.architectures import model_architecture

@@ -3,13 +3,24 @@
 import logging
 from pathlib import Path
 
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from sft.models.adapters import add_adapter, base_model_name, is_adapter_folder, load_trained_adapter
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
+from sft.models.adapters import (
+    add_adapter,
+    base_model_name,
+    is_adapter_folder,
+    load_trained_adapter,
+)
 from sft.models.quantization import DTYPES, quantized_loading
 
 log = logging.getLogger(__name__)

@@ -29,10 +29,14 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config.arguments import SFTConfig
-from sft.training.loss import (LinearCrossEntropy, chunk_rows, chunked_token_losses, supports_chunked_loss,
-                               token_cross_entropy)
-from sft.models.quantization import DTYPES
-from sft.models.quantization import compute_dtype
+from sft.models.quantization import DTYPES, compute_dtype
+from sft.training.loss import (
+    LinearCrossEntropy,
+    chunk_rows,
+    chunked_token_losses,
+    supports_chunked_loss,
+    token_cross_entropy,
+)
 
 QUANT_BLOCK = 64  # bitsandbytes' 4-bit block size: one absmax per 64 weights
 _NO_HOOK = types.SimpleNamespace(remove=lambda: None)

@@ -17,7 +17,15 @@ from transformers import PretrainedConfig
 
 from sft.config.arguments import SFTConfig
 from sft.planning.hardware import GPU
-from sft.planning.memory import GIB, Model, Setup, eval_bytes, head_dim, memory_breakdown, train_peak
+from sft.planning.memory import (
+    GIB,
+    Model,
+    Setup,
+    eval_bytes,
+    head_dim,
+    memory_breakdown,
+    train_peak,
+)
 from sft.training.presets import fsdp_config_dict, zero_stage
 
 METHODS = ("full", "lora", "qlora")
@@ -243,8 +251,8 @@ def override_flags(original: Setup, new: Setup) -> list[str]:
 def plan_recipe(config: SFTConfig, gpu: GPU, num_gpus: int = 1, num_nodes: int = 1,
                 arch: PretrainedConfig | None = None) -> Plan:
     """The plan of a loaded recipe on `num_nodes` x `num_gpus` GPUs of kind `gpu`, with overrides if it does not fit."""
-    from sft.models.architectures import model_architecture
     from sft.errors import SFTError
+    from sft.models.architectures import model_architecture
 
     if num_gpus < 1 or num_nodes < 1:
         raise SFTError("--num_gpus and --num_nodes must be at least 1.")

@@ -12,7 +12,12 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 from transformers.trainer_utils import get_last_checkpoint
 
 

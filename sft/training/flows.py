@@ -1,8 +1,8 @@
 """train(): what `sft train` does — validate, tokenize, load, fit, save everything a run promises."""
 
 import json
-import math
 import logging
+import math
 from pathlib import Path
 
 import datasets
@@ -12,19 +12,19 @@ from transformers.trainer_utils import get_last_checkpoint
 from sft import rundir
 from sft.config.arguments import SFTConfig
 from sft.data.build import prepare_splits
-from sft.training.presets import prepare_final_save
-from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
 from sft.data.formats import CHAT_FORMATS
-from sft.evaluation.metrics import resolve_metrics
-from sft.data.tokenizer import load_tokenizer
-from sft.models.families import check_packing_supported
-from sft.models.loading import load_model, load_model_config
 from sft.data.packing import pack_dataset, pack_dataset_with_stats
 from sft.data.proven_templates import unproven_template_hint
+from sft.data.stats import DataStats, compute_stats
+from sft.data.tokenizer import load_tokenizer
+from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
+from sft.evaluation.metrics import resolve_metrics
+from sft.models.families import check_packing_supported
+from sft.models.loading import load_model, load_model_config
 from sft.models.quantization import check_quantization
+from sft.training.presets import prepare_final_save
 from sft.training.recipe import save_recipe, with_model_limits
 from sft.training.report import plot_loss, write_model_card
-from sft.data.stats import DataStats, compute_stats
 from sft.training.trainer import SFTMixin, trainer_class
 
 log = logging.getLogger(__name__)

@@ -12,11 +12,11 @@ from typing import Any
 
 from transformers import Trainer
 
+from sft.errors import SFTError
 from sft.models.adapters import base_model_name, is_adapter_folder
 from sft.models.architectures import model_architecture
 from sft.models.families import wrap_classes
 from sft.training.catalog import shipped
-from sft.errors import SFTError
 
 log = logging.getLogger(__name__)
 RECIPES = shipped("recipes")

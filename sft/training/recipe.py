@@ -12,9 +12,9 @@ from typing import Any
 import yaml
 
 from sft.config.arguments import SFTConfig
-from sft.training.presets import apply_distributed
-from sft.errors import SFTError
 from sft.config.validate import check_values
+from sft.errors import SFTError
+from sft.training.presets import apply_distributed
 
 FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig) if f.init}
 # Not Field.type: HfArgumentParser (`sft train --help`) rewrites it in place, e.g. fsdp_config's dict | str to str.

@@ -13,7 +13,12 @@ from types import FrameType
 
 import torch
 from accelerate import Accelerator
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import (DataCollatorForSeq2Seq, PreTrainedTokenizerBase, Seq2SeqTrainer, Seq2SeqTrainingArguments,
-                          Trainer)
+from transformers import (
+    DataCollatorForSeq2Seq,
+    PreTrainedTokenizerBase,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    Trainer,
+)
 
-from sft.data.encode import IGNORE_INDEX
 from sft.data.collators import PackedCollator, PaddingFreeCollator
+from sft.data.encode import IGNORE_INDEX
 from sft.evaluation.predict import GenerationEval
 from sft.training import checkpoints
 from sft.training.checkpoints import CheckpointStaging

@@ -12,17 +12,23 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from sft.check.smoke import SAMPLE_ROWS, CheckReport, cpu_overrides, sample_data, tiny_model
+from sft.check.smoke import (
+    SAMPLE_ROWS,
+    CheckReport,
+    cpu_overrides,
+    sample_data,
+    tiny_model,
+)
 from sft.config.arguments import SFTConfig
 from sft.data.build import SourceFormat, make_renderer, prepare_splits, resolve_format
 from sft.data.encode import Encoding
 from sft.data.formats import default_completion_only
-from sft.data.tokenizer import load_tokenizer
-from sft.models.loading import is_encoder_decoder, load_model
 from sft.data.packing import pack_dataset
-from sft.training.recipe import load_recipe
 from sft.data.seq2seq import Seq2SeqEncoding, pair_renderer
 from sft.data.sources import load_source, parse_sources
+from sft.data.tokenizer import load_tokenizer
+from sft.models.loading import is_encoder_decoder, load_model
+from sft.training.recipe import load_recipe
 from sft.training.trainer import trainer_class
 
 # What every proof run sets: no logging or evaluation side effects, a deterministic single-process loop.

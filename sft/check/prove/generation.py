@@ -4,9 +4,9 @@ from typing import Any
 
 import torch
 
-from sft.data.encode import IGNORE_INDEX
 from sft.check.prove.bench import Bench
 from sft.check.prove.result import Proof
+from sft.data.encode import IGNORE_INDEX
 
 EXAMPLES = 8
 NEW_TOKENS = 4  # enough to run generate(); the proof is about its inputs

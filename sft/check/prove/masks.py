@@ -4,9 +4,9 @@ the token generation stops on.
 The expected mask is derived here, not read back from the encoder. Chat rows: from the chat template's own
 renderings, answer i starts where P = `render(messages[:i], add_generation_prompt=True)` and
 F = `render(messages[:i + 1])` first differ (the end of P for prefix-preserving templates) and runs through the
-first token generation stops on (`sft.data.chat_templates.stop_token_ids`: the tokenizer's EOS, the generation config's EOS
-ids, the template's end of turn); where F writes none after the answer starts (GLM-4.5), through the stop token the
-template writes when the conversation goes on (a user message, a tool result after a call). Each example the
+first token generation stops on (`sft.data.chat_templates.stop_token_ids`: the tokenizer's EOS, the generation
+config's EOS ids, the template's end of turn); where F writes none after the answer starts (GLM-4.5), through the
+stop token the template writes when the conversation goes on (a user message, a tool result after a call). Each example the
 encoder makes of a row (the whole conversation, or one answer in its own context under `history: split`) is located
 among these renderings and compared token by token: no trained token outside the answers the policy trains, and
 each such answer fully trained in some example.
@@ -22,13 +22,13 @@ from typing import Any, Callable
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from sft.data.chat_templates import generation_eos, stop_token_ids
-from sft.data.messages import REASONING_FIELDS, SHAREGPT_ROLES
-from sft.data.encode import IGNORE_INDEX
-from sft.data.formats import CHAT_FORMATS
-from sft.data.show import show_examples
 from sft.check.prove.bench import Bench
 from sft.check.prove.result import Proof
+from sft.data.chat_templates import generation_eos, stop_token_ids
+from sft.data.encode import IGNORE_INDEX
+from sft.data.formats import CHAT_FORMATS
+from sft.data.messages import REASONING_FIELDS, SHAREGPT_ROLES
+from sft.data.show import show_examples
 
 THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written in the content
 ANSWER = {"alpaca": "output", "prompt_completion": "completion", "seq2seq": "target", "text": "text"}

@@ -7,12 +7,12 @@ from typing import Any, Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from sft.models.adapters import is_adapter_folder
-from sft.models.export import merge_adapter
 from sft.check.prove.bench import Bench, exact_mode, weights
 from sft.check.prove.result import Proof
 from sft.check.prove.sharded import prove_sharded_save
 from sft.data.stats import compute_stats
+from sft.models.adapters import is_adapter_folder
+from sft.models.export import merge_adapter
 from sft.training.flows import save_run
 
 STOP_AFTER = 1  # k: the run stops after step k and is resumed to step k + 2

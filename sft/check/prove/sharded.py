@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from sft.models.adapters import is_adapter_folder
 from sft.check.prove.bench import Bench
+from sft.models.adapters import is_adapter_folder
 from sft.training.recipe import save_recipe
 
 PROCESSES = 2
@@ -61,7 +61,9 @@ def train_on_processes(bench: Bench, preset: str, run: Path) -> str | None:
 def checkpoint_weights(checkpoint: Path, preset: str, bench: Bench) -> dict[str, torch.Tensor]:
     """The trained weights a checkpoint holds: ZeRO's consolidated fp32 shards, or the DDP checkpoint's model."""
     if preset.startswith("zero"):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils.zero_to_fp32 import (
+            get_fp32_state_dict_from_zero_checkpoint,
+        )
 
         adapter = is_adapter_folder(checkpoint)
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), exclude_frozen_parameters=adapter)
