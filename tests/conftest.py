@@ -77,3 +77,11 @@ def write_json(path: Path, rows: list, jsonl: bool = False) -> Path:
     text = "\n".join(json.dumps(r) for r in rows) if jsonl else json.dumps(rows)
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def reference_causal_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Tensor | int) -> torch.Tensor:
+    """The plain formula sft's chunked loss must equal (the tests' reference, independent of sft's own losses):
+    summed shifted cross entropy / normalizer."""
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                             ignore_index=-100, reduction="sum")
+    return loss / normalizer

@@ -16,10 +16,10 @@ from pathlib import Path
 import datasets
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from sft.data.chat import ChatRenderer
-from sft.data.chat_templates import PRESETS, prepare_tokenizer_for_template, preset_end_of_turn, resolve_chat_template
+from sft.data.chat_templates import EOS, PRESETS, prepare_tokenizer_for_template, resolve_chat_template
 from sft.data.encode import Encoding
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT, detect_format, row_renderer
 from sft.data.show import show_examples
@@ -59,6 +59,13 @@ GENERATION_CHATML = (
     "{{ m.content + '<|im_end|>' }}{% endgeneration %}{% else %}{{ m.content + '<|im_end|>' }}{% endif %}"
     "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+def preset_end_of_turn(name: str, tokenizer: PreTrainedTokenizerBase) -> str:
+    """The literal token that ends an assistant turn of preset `name` with this tokenizer (the tests' oracle)."""
+    eot = PRESETS[name].end_of_turn
+    assert eot != EOS or tokenizer.eos_token, f"preset {name} ends turns with EOS, and this tokenizer has none"
+    return tokenizer.eos_token if eot == EOS else eot
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

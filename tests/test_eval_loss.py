@@ -9,9 +9,9 @@ from torch.overrides import TorchFunctionMode
 
 from sft import SFTConfig, SFTTrainer
 from sft.data.encode import IGNORE_INDEX
-from sft.training.loss import attach_chunked_loss, reference_causal_loss
+from sft.training.loss import attach_chunked_loss
 
-from conftest import make_llama
+from conftest import make_llama, reference_causal_loss
 
 VOCAB = 300
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from sft.data.encode import IGNORE_INDEX
-from sft.training.loss import LinearCrossEntropy, attach_chunked_loss, reference_causal_loss
+from sft.training.loss import LinearCrossEntropy, attach_chunked_loss
 
-from conftest import make_llama
+from conftest import make_llama, reference_causal_loss
 
 
 def batch(vocab: int, seed: int = 0):

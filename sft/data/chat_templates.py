@@ -286,17 +286,6 @@ def _tokenizer_template(tokenizer: PreTrainedTokenizerBase) -> str:
     return template
 
 
-def preset_end_of_turn(name: str, tokenizer: PreTrainedTokenizerBase) -> str:
-    """The literal token that ends an assistant turn of preset `name` with this tokenizer."""
-    eot = PRESETS[name].end_of_turn
-    if eot != EOS:
-        return eot
-    if not tokenizer.eos_token:
-        raise SFTError(f"chat_template {name} ends turns with the tokenizer's eos_token, but this tokenizer has "
-                       "none. Set eos_token on the tokenizer or choose chatml / llama3 / phi3 / gemma.")
-    return tokenizer.eos_token
-
-
 def prepare_tokenizer_for_template(tokenizer: PreTrainedTokenizerBase, preset: str) -> list[str]:
     """Add the preset's special tokens the tokenizer lacks (as extra special tokens); returns the new ones.
 

@@ -165,13 +165,6 @@ def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return out
 
 
-def reference_causal_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Tensor | int) -> torch.Tensor:
-    """The plain formula the chunked loss must equal: summed shifted cross entropy / normalizer."""
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-    return loss / normalizer
-
-
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
     """Each position's cross entropy (0 where untrained), next-token when `shifted`."""
     if shifted:
