@@ -13,17 +13,18 @@ class ThroughputLog:
         self.window_tokens, self.trained_total, self.window_start = 0, 0, time.perf_counter()
 
     def count(self, inputs: dict[str, Any]) -> None:
-        """Add one micro-batch."""
+        """Add one micro-batch. The sums stay tensors on the batch's device until a log reads them: an int() here
+        would wait for the GPU on every micro-step."""
         mask = inputs.get("attention_mask")
-        self.window_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        self.window_tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
         if "labels" in inputs:
-            self.trained_total += int((inputs["labels"] != IGNORE_INDEX).sum())
+            self.trained_total += (inputs["labels"] != IGNORE_INDEX).sum()
 
     def add_to(self, logs: dict[str, float]) -> dict[str, float]:
         """Training logs (those with a loss) plus tokens_per_second and trained_tokens; starts a new window."""
         if "loss" not in logs:
             return logs
         now = time.perf_counter()
-        rate = self.window_tokens / max(now - self.window_start, 1e-9)
+        rate = int(self.window_tokens) / max(now - self.window_start, 1e-9)
         self.window_tokens, self.window_start = 0, now
-        return {**logs, "tokens_per_second": round(rate, 1), "trained_tokens": self.trained_total}
+        return {**logs, "tokens_per_second": round(rate, 1), "trained_tokens": int(self.trained_total)}
