@@ -54,8 +54,8 @@ def installed(tmp_path_factory) -> tuple[Path, dict, Path]:
 def test_the_wheel_ships_presets_recipes_data_and_the_embedded_models(installed):
     package = installed[0] / "sft"
     for path in ("recipes/quickstart.yaml", "recipes/deepspeed/zero3.json", "recipes/accelerate/zero3.yaml",
-                 "data/alpaca_sample.json", "data/models/tiny-llama/model.safetensors",
-                 "data/models/tiny-t5/tokenizer.json"):
+                 "assets/alpaca_sample.json", "assets/models/tiny-llama/model.safetensors",
+                 "assets/models/tiny-t5/tokenizer.json"):  # data/ ships as sft/assets (sft/data is code)
         assert (package / path).is_file(), path
 
 
