@@ -24,6 +24,7 @@ from sft.config.arguments import SFTConfig
 from sft.data.chat_templates import generation_eos
 from sft.errors import SFTError
 from sft.models.families import guess_model_type
+from sft.models.hub import local_files_only
 from sft.training.catalog import shipped
 from sft.training.recipe import load_recipe
 
@@ -146,7 +147,8 @@ def local_tokenizer(config: SFTConfig):
         if not name:
             continue
         try:
-            return AutoTokenizer.from_pretrained(name, revision=config.revision)
+            return AutoTokenizer.from_pretrained(name, revision=config.revision,
+                                                 local_files_only=local_files_only(name))
         except (OSError, ValueError):
             continue
     if not (EMBEDDED_TOKENIZER / "tokenizer.json").exists():

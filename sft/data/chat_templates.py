@@ -14,6 +14,7 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from sft.errors import SFTError
+from sft.models.hub import local_files_only
 
 EOS = "eos_token"  # a preset whose turns end with the tokenizer's own EOS (</s> on Llama-2 / Mistral vocabularies)
 
@@ -371,6 +372,6 @@ def generation_eos(model: str | None) -> int | list[int] | None:
     if not model:
         return None
     try:
-        return GenerationConfig.from_pretrained(model).eos_token_id
+        return GenerationConfig.from_pretrained(model, local_files_only=local_files_only(model)).eos_token_id
     except (OSError, ValueError):  # no generation config: the tokenizer's EOS and the template decide
         return None

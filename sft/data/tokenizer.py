@@ -11,6 +11,7 @@ from sft.data.chat_templates import (
     resolve_chat_template,
 )
 from sft.errors import SFTError
+from sft.models.hub import local_files_only
 from sft.models.loading import check_model_reference
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,8 @@ def load_tokenizer(config: SFTConfig) -> PreTrainedTokenizerBase:
     warn_remote_code(config, name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, revision=config.revision, cache_dir=config.cache_dir,
-                                                  trust_remote_code=config.trust_remote_code)
+                                                  trust_remote_code=config.trust_remote_code,
+                                                  local_files_only=local_files_only(name))
     except (OSError, ValueError) as err:
         raise SFTError(f"Could not load the tokenizer of {name}: {str(err).splitlines()[0]}") from None
     if not tokenizer.is_fast:

@@ -1,6 +1,7 @@
 """Layer 2 — models: what a model is and how it is loaded, before any data exists.
 
-Owns: a model's architecture read offline (`architectures`), the model-family capability table (`families`: FSDP
+Owns: whether the Hub can be reached, decided once per process (`hub`), a model's architecture read offline
+(`architectures`), the model-family capability table (`families`: FSDP
 wrap classes, plain LM heads for the chunked loss, packing isolation), loading a recipe's model with its dtype,
 attention backend and safe defaults (`loading`), LoRA/DoRA adapters (`adapters`), bitsandbytes quantization
 (`quantization`), saved run folders for inference (`saved`) and `sft merge` (`export`).

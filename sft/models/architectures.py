@@ -10,6 +10,7 @@ import re
 from transformers import AutoConfig, PretrainedConfig
 
 from sft.errors import SFTError
+from sft.models.hub import hub_reachable
 
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072)
 _QWEN25 = dict(model_type="qwen2", vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=32768)
@@ -73,6 +74,8 @@ def model_architecture(name: str, revision: str | None = None, cache_dir: str | 
     if config is not None:
         return config
     try:
+        if not hub_reachable():
+            raise OSError("the Hub cannot be reached")
         return AutoConfig.from_pretrained(name, **options)
     except (OSError, ValueError):
         known = ", ".join(sorted(KNOWN_CONFIGS))

@@ -21,6 +21,7 @@ from sft.models.adapters import (
     is_adapter_folder,
     load_trained_adapter,
 )
+from sft.models.hub import local_files_only
 from sft.models.quantization import DTYPES, quantized_loading
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     adapter = name if is_adapter_folder(name) else None  # a use_peft run: load its base, then the adapter on it
     name = base_model_name(adapter) if adapter else name
     kwargs = dict(revision=config.revision, cache_dir=config.cache_dir, trust_remote_code=config.trust_remote_code,
-                  use_safetensors=None if config.allow_pickle else True, dtype=DTYPES.get(config.dtype, "auto"))
+                  use_safetensors=None if config.allow_pickle else True, dtype=DTYPES.get(config.dtype, "auto"),
+                  local_files_only=local_files_only(name))
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
     kwargs.update(quantized_loading(config))
@@ -96,7 +98,8 @@ def load_model_config(config: SFTConfig, name: str | None = None) -> PretrainedC
     name = name or check_model_reference(config.model_name_or_path)
     try:
         return AutoConfig.from_pretrained(name, revision=config.revision, cache_dir=config.cache_dir,
-                                          trust_remote_code=config.trust_remote_code)
+                                          trust_remote_code=config.trust_remote_code,
+                                          local_files_only=local_files_only(name))
     except (OSError, ValueError) as err:
         raise SFTError(f"Could not read the config of {name}: {str(err).splitlines()[0]}") from None
 

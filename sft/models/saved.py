@@ -17,6 +17,7 @@ from transformers import (
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.adapters import ADAPTER_CONFIG, base_model_name, is_adapter_folder
+from sft.models.hub import local_files_only
 from sft.models.loading import fit_embeddings
 from sft.models.quantization import DTYPES, is_quantized, quantization_config
 
@@ -102,6 +103,6 @@ def load_pretrained(name: str, dtype: str, device: str, quantization: dict | Non
     """A causal LM for inference, or an SFTError naming what could not be loaded (plus `hint`)."""
     try:
         return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES.get(dtype, "auto"), device_map={"": device},
-                                                    **(quantization or {}))
+                                                    local_files_only=local_files_only(name), **(quantization or {}))
     except (OSError, ValueError) as err:
         raise SFTError(f"Could not load the model {name}{hint}: {str(err).splitlines()[0]}") from None

@@ -6,10 +6,10 @@ renderings, answer i starts where P = `render(messages[:i], add_generation_promp
 F = `render(messages[:i + 1])` first differ (the end of P for prefix-preserving templates) and runs through the
 first token generation stops on (`sft.data.chat_templates.stop_token_ids`: the tokenizer's EOS, the generation
 config's EOS ids, the template's end of turn); where F writes none after the answer starts (GLM-4.5), through the
-stop token the template writes when the conversation goes on (a user message, a tool result after a call). Each example the
-encoder makes of a row (the whole conversation, or one answer in its own context under `history: split`) is located
-among these renderings and compared token by token: no trained token outside the answers the policy trains, and
-each such answer fully trained in some example.
+stop token the template writes when the conversation goes on (a user message, a tool result after a call). Each
+example the encoder makes of a row (the whole conversation, or one answer in its own context under
+`history: split`) is located among these renderings and compared token by token: no trained token outside the
+answers the policy trains, and each such answer fully trained in some example.
 Plain formats: the decoded trained tokens are the row's answer column, ending in EOS.
 """
 import json

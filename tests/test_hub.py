@@ -1,0 +1,96 @@
+"""An unreachable Hub is found once per process, and every lookup of a Hub id then reads the HF cache only: no
+huggingface_hub retries (about 23 s and a warning per retry, per file) before the offline answer."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import huggingface_hub.constants
+import pytest
+from transformers import GenerationConfig
+
+from sft.data.chat_templates import generation_eos
+from sft.models import hub
+
+from conftest import REPO
+
+
+class FakeSession:
+    """get_session() stand-in: counts HEAD requests; raises `error` when given one."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error, self.heads = error, []
+
+    def head(self, url: str, timeout: float) -> None:
+        self.heads.append((url, timeout))
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture
+def online(monkeypatch):
+    """Offline mode off, the probe's answer forgotten before and after the test."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    hub.hub_reachable.cache_clear()
+    yield
+    hub.hub_reachable.cache_clear()
+
+
+def use_session(monkeypatch, session: FakeSession) -> FakeSession:
+    monkeypatch.setattr(hub, "get_session", lambda: session)
+    return session
+
+
+def test_offline_mode_is_unreachable_without_a_request(monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    hub.hub_reachable.cache_clear()
+    session = use_session(monkeypatch, FakeSession())
+    assert hub.hub_reachable() is False and hub.local_files_only("org/model") is True
+    assert session.heads == []
+    hub.hub_reachable.cache_clear()
+
+
+def test_an_unreachable_endpoint_is_probed_once_and_said_once(online, monkeypatch, caplog):
+    session = use_session(monkeypatch, FakeSession(ConnectionError("Name or service not known")))
+    with caplog.at_level(logging.WARNING, logger="sft.models.hub"):
+        assert [hub.local_files_only("org/a"), hub.local_files_only("org/b"), hub.hub_reachable()] == [True, True, False]
+    assert session.heads == [(huggingface_hub.constants.ENDPOINT, hub.PROBE_TIMEOUT_S)]
+    assert len(caplog.records) == 1 and "cannot be reached" in caplog.text and "HF_HUB_OFFLINE=1" in caplog.text
+
+
+def test_a_reachable_hub_is_asked(online, monkeypatch):
+    session = use_session(monkeypatch, FakeSession())
+    assert hub.local_files_only("org/model") is False and len(session.heads) == 1
+
+
+def test_a_local_folder_never_probes(online, monkeypatch, tmp_path):
+    session = use_session(monkeypatch, FakeSession(AssertionError("a local folder must not probe the Hub")))
+    assert hub.local_files_only(tmp_path) is False and session.heads == []
+
+
+def test_generation_config_of_a_hub_id_is_read_from_the_cache_only_when_unreachable(online, monkeypatch, tmp_path):
+    use_session(monkeypatch, FakeSession(ConnectionError("unreachable")))
+    asked = []
+
+    def from_pretrained(name, **kwargs):
+        asked.append((str(name), kwargs.get("local_files_only")))
+        raise OSError("not cached")
+
+    monkeypatch.setattr(GenerationConfig, "from_pretrained", from_pretrained)
+    assert generation_eos("org/not-cached") is None and generation_eos(str(tmp_path)) is None
+    assert asked == [("org/not-cached", True), (str(tmp_path), False)]
+
+
+@pytest.mark.slow
+def test_sft_check_of_a_hub_recipe_with_the_hub_down_makes_no_retries():
+    """The user's path: `sft check` of a shipped Hub-model recipe, with no HF_HUB_OFFLINE and an endpoint that refuses
+    connections. Before this rule the same command spent 76 s in huggingface_hub's retries (7 s with it)."""
+    env = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-m", "sft", "check", "mistral-7b/full-zero3"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "OK: the recipe is sound." in out
+    assert "cannot be reached" in out and "Retry" not in out
