@@ -122,9 +122,18 @@ def long_modules(root: Path) -> list[str]:
             if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
 
 
-def test_every_package_has_a_layer():
-    packages = {name for name, path in modules(REPO).items() if path.name == "__init__.py" and name.count(".") == 1}
-    assert packages - set(RANKS) == set()
+def unplaced(root: Path) -> set[str]:
+    """Top-level packages and modules of sft/ that no layer names (a new one must be placed in the map)."""
+    tops = {".".join(name.split(".")[:2]) for name in modules(root) if name.count(".") >= 1}
+    return tops - set(RANKS) - {"sft.__main__"}
+
+
+def test_every_package_and_top_level_module_has_a_layer(tmp_path):
+    assert unplaced(REPO) == set()
+    (tmp_path / "sft" / "extra").mkdir(parents=True)  # negative control: a new package and a new module
+    for name in ("sft/__init__.py", "sft/errors.py", "sft/extra/__init__.py", "sft/utils.py"):
+        (tmp_path / name).write_text("")
+    assert unplaced(tmp_path) == {"sft.extra", "sft.utils"}
 
 
 def test_no_module_imports_a_higher_layer():
