@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from sft import SFTError, build_datasets, load_recipe, rundir, train
+from sft.training.flows import evaluate
 from sft.data.tokenizer import load_tokenizer
 from sft.models.loading import load_model
 from sft.training.trainer import SFTTrainer
@@ -161,3 +162,12 @@ def test_modules_to_save_and_new_tokens_do_not_clash(tmp_path, grown_model_dir, 
 def test_invalid_quantization_or_targets_are_refused(tmp_path, tiny_model_dir, data_file, keys, message):
     with pytest.raises(SFTError, match=message):
         train(recipe(tiny_model_dir, data_file, tmp_path / "out", **keys))
+
+
+def test_sft_eval_of_an_adapter_run_loads_its_base(tmp_path, tiny_model_dir, data_file):
+    """`sft eval RECIPE --model_name_or_path RUN` on a use_peft run: the folder holds only the adapter, so every
+    config read (max_length fit, packing check, encoder-decoder check, loading) goes through its base model."""
+    run = train(recipe(tiny_model_dir, data_file, tmp_path / "run"))
+    assert not (run / "config.json").exists() and (run / "adapter_config.json").is_file()
+    metrics = evaluate(recipe(run, data_file, tmp_path / "eval", eval_dataset=str(data_file), packing=True))
+    assert math.isfinite(metrics["eval_loss"]) and (tmp_path / "eval" / "eval_results.json").is_file()

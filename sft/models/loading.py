@@ -49,13 +49,13 @@ def check_model_reference(name: str | None, key: str = "model_name_or_path") -> 
 def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     """The recipe's causal or encoder-decoder LM (dtype or bitsandbytes quantization), embeddings fit to the
     tokenizer, LoRA if use_peft."""
-    name = check_model_reference(config.model_name_or_path)
     if not config.deepspeed:
         # Building any ZeRO-3 TrainingArguments in this process (e.g. validating another recipe) leaves a global
         # that makes from_pretrained partition weights; a model for a run without DeepSpeed must not inherit it.
         unset_hf_deepspeed_config()
-    adapter = name if is_adapter_folder(name) else None  # a use_peft run: load its base, then the adapter on it
-    name = base_model_name(adapter) if adapter else name
+    adapter = check_model_reference(config.model_name_or_path)  # a use_peft run: its base, then the adapter on it
+    adapter = adapter if is_adapter_folder(adapter) else None
+    name = base_model(config)
     kwargs = dict(revision=config.revision, cache_dir=config.cache_dir, trust_remote_code=config.trust_remote_code,
                   use_safetensors=None if config.allow_pickle else True, dtype=DTYPES.get(config.dtype, "auto"),
                   local_files_only=local_files_only(name))
@@ -93,9 +93,15 @@ def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     return list(range(old_rows, len(tokenizer)))
 
 
+def base_model(config: SFTConfig) -> str:
+    """The model the recipe names, checked; for an adapter folder (a use_peft run or checkpoint), its base model."""
+    name = check_model_reference(config.model_name_or_path)
+    return base_model_name(name) if is_adapter_folder(name) else name
+
+
 def load_model_config(config: SFTConfig, name: str | None = None) -> PretrainedConfig:
-    """The recipe's model config (or that of model `name`), read without loading weights."""
-    name = name or check_model_reference(config.model_name_or_path)
+    """The config of the recipe's model (an adapter folder's base) or of model `name`, read without weights."""
+    name = name or base_model(config)
     try:
         return AutoConfig.from_pretrained(name, revision=config.revision, cache_dir=config.cache_dir,
                                           trust_remote_code=config.trust_remote_code,
@@ -106,8 +112,6 @@ def load_model_config(config: SFTConfig, name: str | None = None) -> PretrainedC
 
 def is_encoder_decoder(config: SFTConfig) -> bool:
     """Whether the recipe's model (an adapter folder's base) is an encoder-decoder such as T5 or BART."""
-    name = config.model_name_or_path
-    if name is None:
+    if config.model_name_or_path is None:
         return False  # data prepared with an explicit tokenizer and no model
-    name = base_model_name(name) if is_adapter_folder(name) else check_model_reference(name)
-    return load_model_config(config, name).is_encoder_decoder
+    return load_model_config(config).is_encoder_decoder
