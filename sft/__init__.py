@@ -1,9 +1,9 @@
 """sft: supervised fine-tuning of language models from YAML recipes, on transformers.Trainer.
 
-The package map (layers, lowest first; a layer imports only from layers below it — tests/test_layering.py):
+The package map (layers, lowest first; a layer imports only from layers below it — tests/test_layout.py):
 
     sft.errors, sft.rundir  0  the one user-facing exception; which files in an output folder are sft's
-    sft.config              1  SFTConfig and the checks on its values
+    sft.config              1  SFTConfig, the checks on its values, the names recipe values take
     sft.models              2  model facts (architectures, family capabilities), loading, adapters, quantization, merge
     sft.data                3  sources, formats, chat templates and masks, encoding, packing, statistics
     sft.evaluation          4  generation settings, generation-based evaluation, metrics
@@ -17,7 +17,6 @@ Importing `sft` is cheap and has no side effects: the names below load on first 
 
 from typing import Any
 
-__all__ = ["SFTConfig", "SFTError", "SFTTrainer", "Seq2SeqSFTTrainer", "build_datasets", "load_recipe", "train"]
 __version__ = "0.1.0"
 
 PUBLIC = {  # public name -> the module that owns it
@@ -29,6 +28,7 @@ PUBLIC = {  # public name -> the module that owns it
     "load_recipe": "sft.training.recipe",
     "train": "sft.training.flows",
 }
+__all__ = list(PUBLIC)
 
 
 def __getattr__(name: str) -> Any:

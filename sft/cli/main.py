@@ -6,7 +6,7 @@ import sys
 from typing import Callable
 
 from sft.cli.console import quiet_optional_backends, recipe_keys_help, setup_logging
-from sft.config.arguments import DTYPE_NAMES
+from sft.config.names import DISTRIBUTED_PRESETS, DTYPE_NAMES
 from sft.errors import SFTError
 
 log = logging.getLogger("sft")
@@ -56,10 +56,6 @@ def debug_collision(argv: list[str]) -> str | None:
             return (f"`--debug` alone is sft's switch for full tracebacks; to set TrainingArguments' debug option "
                     f"write --debug={following} (or `debug: {following}` in the recipe).")
     return None
-
-
-
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,8 +111,6 @@ def with_help(sub: argparse.ArgumentParser, run: Callable) -> Callable:
     return runner
 
 
-
-
 def run_train(args: argparse.Namespace, rest: list[str]) -> None:
     """sft train RECIPE [--key value ...]"""
     from sft.training.flows import train
@@ -146,8 +140,6 @@ def run_eval(args: argparse.Namespace, rest: list[str]) -> None:
 
     metrics = evaluate(load_recipe(args.recipe, flags=rest))
     print("\n".join(f"{k:<28} {v:.6g}" if isinstance(v, float) else f"{k:<28} {v}" for k, v in metrics.items()))
-
-
 
 
 def add_inference_verbs(verbs: argparse._SubParsersAction) -> None:
@@ -307,11 +299,9 @@ def run_plan(args: argparse.Namespace, rest: list[str]) -> None:
 
 def add_launch_verb(verbs: argparse._SubParsersAction) -> None:
     """sft launch RECIPE [--preset P] [--num_processes N] [--dry_run] [accelerate flags] [recipe overrides]"""
-    from sft.training.presets import PRESETS
-
     launch = add_recipe_verb(verbs, "launch", "train on several GPUs or machines via accelerate launch", run_launch)
-    launch.add_argument("--preset", choices=PRESETS, help="accelerate/DeepSpeed preset (default: the recipe's "
-                                                            "`distributed`, else ddp)")
+    launch.add_argument("--preset", choices=DISTRIBUTED_PRESETS,
+                        help="accelerate/DeepSpeed preset (default: the recipe's `distributed`, else ddp)")
     launch.add_argument("--num_processes", type=int, help="processes over all machines (default: GPUs x machines)")
     launch.add_argument("--dry_run", action="store_true", help="print the accelerate command instead of running it")
     launch.epilog = ("Flags `accelerate launch` knows (--num_machines, --machine_rank, --main_process_ip, "

@@ -12,12 +12,13 @@ from transformers.utils import (
     is_torch_xla_available,
 )
 
+from sft.config.names import DISTRIBUTED_PRESETS, DTYPE_NAMES
+
 # Flags a machine may be unable to honour. A recipe that sets them must still load (and pass `sft check`) on a
 # laptop: where the hardware lacks them they are held back from TrainingArguments' validation and reported when
 # training starts (hardware_problems); everywhere else they go through TrainingArguments.__post_init__, which sets
 # mixed_precision, fills DeepSpeed's "auto" bf16/fp16 entries and the FSDP mixed-precision policy, and enables TF32.
 GPU_ONLY_FLAGS = ("bf16", "bf16_full_eval", "tf32")
-DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")  # a weights dtype: auto keeps the checkpoint's
 
 
 def _help(text: str, default: Any = None, **kwargs: Any) -> Any:
@@ -108,7 +109,7 @@ class SFTConfig(Seq2SeqTrainingArguments):
     # Distributed
     distributed: str | None = _help("Preset: ddp, fsdp, fsdp_offload, zero2, zero3 or zero3_offload (fills fsdp/"
                                     "fsdp_config or deepspeed; see docs/distributed.md).",
-                                    choices=("ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload"))
+                                    choices=DISTRIBUTED_PRESETS)
     # TrainingArguments types this `str`; a YAML `fsdp: true` (what transformers 5 asks for) must load too.
     fsdp: Any = _help('FSDP: true (tuned in fsdp_config, or use `distributed: fsdp`), or Alpaca-style options '
                       'such as "full_shard auto_wrap".')

@@ -3,7 +3,8 @@
 import torch
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
-from sft.config.arguments import DTYPE_NAMES, SFTConfig
+from sft.config.arguments import SFTConfig
+from sft.config.names import DTYPE_NAMES
 from sft.errors import SFTError
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}  # recipe name -> torch dtype
@@ -39,13 +40,17 @@ def quantization_config(config: SFTConfig) -> BitsAndBytesConfig | None:
 
 
 def compute_dtype(config: SFTConfig) -> torch.dtype:
+    """The 4-bit compute dtype of a built recipe (compute_dtype_name)."""
+    return DTYPES[compute_dtype_name(config.bnb_4bit_compute_dtype, config.dtype, config.bf16, config.fp16)]
+
+
+def compute_dtype_name(compute: str | None, dtype: str | None, bf16: bool | None, fp16: bool | None) -> str:
     """bnb_4bit_compute_dtype, where auto means the recipe's dtype, else its bf16/fp16 training flag, else float32."""
-    if config.bnb_4bit_compute_dtype in DTYPES:
-        return DTYPES[config.bnb_4bit_compute_dtype]
-    if config.dtype in DTYPES:
-        return DTYPES[config.dtype]
+    for name in (compute, dtype):
+        if name in DTYPES:
+            return name
     # bitsandbytes' own default is float32, which makes every 4-bit matmul of a bf16 run needlessly slow
-    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
+    return "bfloat16" if bf16 else "float16" if fp16 else "float32"
 
 
 def quantized_loading(config: SFTConfig) -> dict:

@@ -12,15 +12,17 @@ from typing import Any
 
 from transformers import Trainer
 
+from sft.config.names import DISTRIBUTED_PRESETS
 from sft.errors import SFTError
 from sft.models.adapters import base_model_name, is_adapter_folder
 from sft.models.architectures import model_architecture
 from sft.models.families import wrap_classes
+from sft.models.quantization import compute_dtype_name
 from sft.training.catalog import shipped
 
 log = logging.getLogger(__name__)
 RECIPES = shipped("recipes")
-PRESETS = ("ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload")
+PRESETS = DISTRIBUTED_PRESETS
 ACCELERATE_CONFIGS = {name: RECIPES / "accelerate" / f"{name}.yaml" for name in PRESETS}
 DEEPSPEED_CONFIGS = {name: RECIPES / "deepspeed" / f"{name}.json" for name in ("zero2", "zero3", "zero3_offload")}
 
@@ -35,7 +37,6 @@ FSDP_PRESETS["fsdp_offload"] = {**FSDP_PRESETS["fsdp"], "cpu_offload": True}
 # transformers 4 / Stanford Alpaca `--fsdp "full_shard auto_wrap"` words as FSDP2 fsdp_config keys.
 LEGACY_FSDP_OPTIONS = {"full_shard": {"reshard_after_forward": True}, "shard_grad_op": {"reshard_after_forward": False},
                        "offload": {"cpu_offload": True}, "auto_wrap": {}}
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 def apply_distributed(values: dict) -> dict:
@@ -107,16 +108,9 @@ def fsdp_settings(values: dict, preset: str) -> dict:
     out["fsdp_config"] = {**config, **user}
     if values.get("load_in_4bit") and values.get("bnb_4bit_quant_storage") is None:
         # FSDP-QLoRA: FSDP flattens the packed 4-bit weights with the float ones, so they must share a dtype.
-        out["bnb_4bit_quant_storage"] = compute_dtype_name(values)
+        out["bnb_4bit_quant_storage"] = compute_dtype_name(values.get("bnb_4bit_compute_dtype"), values.get("dtype"),
+                                                           values.get("bf16"), values.get("fp16"))
     return out
-
-
-def compute_dtype_name(values: dict) -> str:
-    """The 4-bit compute dtype as sft.models.quantization.compute_dtype resolves it, as a name."""
-    for name in (values.get("bnb_4bit_compute_dtype"), values.get("dtype")):
-        if name in DTYPE_NAMES:
-            return name
-    return "bfloat16" if values.get("bf16") else "float16" if values.get("fp16") else "float32"
 
 
 def recipe_wrap_classes(values: dict) -> list[str] | None:

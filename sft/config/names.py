@@ -1,0 +1,5 @@
+"""Names a recipe value may take, shared by the config's fields and the command line's choices. Plain tuples with no
+torch or transformers import, so `sft --help` and argument errors stay fast."""
+
+DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")  # a weights dtype: auto keeps the checkpoint's
+DISTRIBUTED_PRESETS = ("ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload")  # recipe key `distributed`
