@@ -17,6 +17,8 @@ from sft.data import encode as encode_module
 from sft.data import formats as formats_module
 from sft.data import messages as messages_module
 from sft.data import seq2seq as seq2seq_module
+from sft.data.chat import ChatRenderer
+from sft.data.chat_templates import generation_eos
 from sft.data.encode import Encoding
 from sft.data.formats import (
     CHAT_FORMATS,
@@ -33,7 +35,6 @@ from sft.data.tokenizer import load_tokenizer
 from sft.errors import SFTError
 from sft.models.loading import is_encoder_decoder
 
-TOKEN_COLUMNS = ["input_ids", "labels", "length"]
 COUNT_COLUMNS = ["truncated", "reasoning", "split"]  # per-example counts summed into Prepared, then removed
 
 
@@ -78,19 +79,33 @@ def prepare_splits(config: SFTConfig, tokenizer: PreTrainedTokenizerBase | None 
     """Train and eval data with their drop/truncation counts."""
     if tokenizer is None:
         tokenizer = load_tokenizer(config)
-    train = prepare(parse_sources(config.dataset), config, tokenizer)
+    model = ModelFacts.of(config)
+    train = prepare(parse_sources(config.dataset), config, tokenizer, model)
     if config.eval_dataset is not None:
         if config.eval_split_size:
             raise SFTError("Set either `eval_dataset` or `eval_split_size`, not both.")
-        return train, prepare(parse_sources(config.eval_dataset, "eval_dataset"), config, tokenizer)
+        return train, prepare(parse_sources(config.eval_dataset, "eval_dataset"), config, tokenizer, model)
     if not config.eval_split_size:
         return train, None
     return split_off_eval(train, config.eval_split_size, config.seed)
 
 
-def prepare(sources: list[Source], config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared:
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the data needs to know of the recipe's model, read once per build (not once per source)."""
+
+    encoder_decoder: bool
+    generation_eos: int | list[int] | None  # its generation config's stop ids: chat turns end at them
+
+    @classmethod
+    def of(cls, config: SFTConfig) -> "ModelFacts":
+        return cls(is_encoder_decoder(config), generation_eos(config.model_name_or_path))
+
+
+def prepare(sources: list[Source], config: SFTConfig, tokenizer: PreTrainedTokenizerBase,
+            model: ModelFacts) -> Prepared:
     """Load, render, tokenize and weight every source, then concatenate them."""
-    parts = [prepare_source(s, config, tokenizer) for s in sources]
+    parts = [prepare_source(s, config, tokenizer, model) for s in sources]
     dataset = datasets.concatenate_datasets([p.dataset for p in parts]) if len(parts) > 1 else parts[0].dataset
     if len(dataset) == 0:
         raise SFTError(f"No training rows left in {', '.join(s.label for s in sources)}: every row was dropped "
@@ -101,7 +116,8 @@ def prepare(sources: list[Source], config: SFTConfig, tokenizer: PreTrainedToken
                     split_rows=sum(p.split_rows for p in parts))
 
 
-def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared:
+def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedTokenizerBase,
+                   model: ModelFacts) -> Prepared:
     """One source: detect its format, tokenize it in batches, count what was dropped or truncated."""
     raw = load_source(source)
     if len(raw) == 0:
@@ -111,17 +127,17 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
     # Decided per source: in `[text.jsonl, alpaca.json]` the text is trained whole, the Alpaca prompts are not.
     decided = SourceFormat(source.label, fmt, default_completion_only(fmt) if config.completion_only_loss is None
                            else config.completion_only_loss)
-    if is_encoder_decoder(config):  # T5, BART, ...: source -> encoder input_ids, target + EOS -> labels
+    if model.encoder_decoder:  # T5, BART, ...: source -> encoder input_ids, target + EOS -> labels
         render, encoding = pair_renderer(fmt), Seq2SeqEncoding(tokenizer, config.max_length, config.truncation_side)
     else:
-        render = make_renderer(config, decided, tokenizer, raw)
+        render = make_renderer(config, decided, tokenizer, raw, model.generation_eos)
         splits = config.packing and config.packing_strategy == "bfd_split"  # the packer cuts long examples into chunks
         encoding = Encoding(tokenizer, sys.maxsize if splits else config.max_length, config.truncation_side)
     tokenized = raw.map(
         encode_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
         num_proc=config.dataset_num_proc, desc=f"Tokenizing {source.label}",
         fn_kwargs={"render": render, "encoding": encoding, "where": source.label},
-        new_fingerprint=cache_fingerprint(raw, tokenizer, config, decided, encoding),
+        new_fingerprint=cache_fingerprint(raw, tokenizer, config, decided, encoding, model),
     )
     if len(tokenized) == 0:
         raise SFTError(f"Dataset {source.label}: all {len(raw)} rows were dropped because no trained token fits in "
@@ -139,7 +155,7 @@ CACHE_FIELDS = ("completion_only_loss", "max_length", "truncation_side", "assist
 
 
 def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, config: SFTConfig,
-                      decided: SourceFormat, encoding: Encoding | Seq2SeqEncoding) -> str:
+                      decided: SourceFormat, encoding: Encoding | Seq2SeqEncoding, model: ModelFacts) -> str:
     """Cache key of the tokenized data: the raw data, the tokenizer, the recipe fields that matter and sft's code.
 
     datasets would otherwise hash the mapped function with dill (the tokenizer object included), which costs more
@@ -153,7 +169,7 @@ def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
     fields = [decided.format, decided.completion_only_loss, type(encoding).__name__,
               *(str(getattr(config, name)) for name in CACHE_FIELDS)]
     if decided.format in CHAT_FORMATS or decided.format == "prompt_completion":  # chat turns end at these stops
-        fields.append(str(templates_module.generation_eos(config.model_name_or_path)))
+        fields.append(str(model.generation_eos))
     return Hasher.hash([raw._fingerprint, tok, fields, code])
 
 
@@ -165,18 +181,15 @@ def resolve_format(config: SFTConfig, columns: list[str], where: str) -> str:
 
 
 def make_renderer(config: SFTConfig, decided: SourceFormat, tokenizer: PreTrainedTokenizerBase,
-                  raw: datasets.Dataset) -> Callable:
-    """The row -> Rendered function for this source's format; chat data renders through the chat template."""
+                  raw: datasets.Dataset, eos: int | list[int] | None) -> Callable:
+    """The row -> Rendered function for this source's format; chat data renders through the chat template and ends
+    turns at the stop tokens (`eos`: the model's generation-config stop ids, chat_templates.generation_eos)."""
     fmt = decided.format
     conversational = fmt in CHAT_FORMATS or (fmt == "prompt_completion" and isinstance(raw[0]["prompt"], list))
     chat = None
     if conversational:
-        from sft.data.chat import ChatRenderer
-        from sft.data.chat_templates import generation_eos
-
         chat = ChatRenderer(tokenizer, config.chat_template, config.assistant_only_loss,
-                            config.train_on_last_turn_only, config.no_assistant_turn, config.history,
-                            generation_eos(config.model_name_or_path))
+                            config.train_on_last_turn_only, config.no_assistant_turn, config.history, eos)
     return row_renderer(fmt, decided.completion_only_loss, chat)
 
 

@@ -2,6 +2,7 @@
 
 from sft.config.arguments import SFTConfig
 from sft.data.build import SourceFormat, make_renderer, prepare_splits, resolve_format
+from sft.data.chat_templates import generation_eos
 from sft.data.encode import Encoding
 from sft.data.formats import CHAT_FORMATS, Rendered
 from sft.data.sources import load_source, parse_sources
@@ -23,8 +24,9 @@ def describe_data(config: SFTConfig, show: int = 0, color: bool = False) -> tupl
         return stats, ""
     from sft.data.show import show_examples
 
-    examples = _chat_examples(config, tokenizer, show) if not is_encoder_decoder(config) else None
-    return stats, show_examples(examples or train.dataset, tokenizer, show, color, is_encoder_decoder(config))
+    encoder_decoder = is_encoder_decoder(config)
+    examples = None if encoder_decoder else _chat_examples(config, tokenizer, show)
+    return stats, show_examples(examples or train.dataset, tokenizer, show, color, encoder_decoder)
 
 
 def _chat_examples(config: SFTConfig, tokenizer, count: int) -> list[dict] | None:
@@ -35,7 +37,8 @@ def _chat_examples(config: SFTConfig, tokenizer, count: int) -> list[dict] | Non
     fmt = resolve_format(config, raw.column_names, source.label)
     if fmt not in CHAT_FORMATS:
         return None
-    render = make_renderer(config, SourceFormat(source.label, fmt, False), tokenizer, raw)
+    render = make_renderer(config, SourceFormat(source.label, fmt, False), tokenizer, raw,
+                           generation_eos(config.model_name_or_path))
     encoding = Encoding(tokenizer, config.max_length, config.truncation_side)
     rows: list[Rendered] = []
     for number in range(len(raw)):

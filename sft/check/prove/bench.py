@@ -21,6 +21,7 @@ from sft.check.smoke import (
 )
 from sft.config.arguments import SFTConfig
 from sft.data.build import SourceFormat, make_renderer, prepare_splits, resolve_format
+from sft.data.chat_templates import generation_eos
 from sft.data.encode import Encoding
 from sft.data.formats import default_completion_only
 from sft.data.packing import pack_dataset
@@ -109,7 +110,8 @@ class Bench:
             render = pair_renderer(decided.format)
             encoding = Seq2SeqEncoding(self.tokenizer, self.base.max_length, self.base.truncation_side)
         else:
-            render = make_renderer(self.base, decided, self.tokenizer, raw)
+            render = make_renderer(self.base, decided, self.tokenizer, raw,
+                                   generation_eos(self.base.model_name_or_path))
             encoding = Encoding(self.tokenizer, self.base.max_length, self.base.truncation_side)
 
         def encode(row: dict, number: int) -> list[dict]:
