@@ -66,9 +66,12 @@ class StopOnSignal(TrainerCallback):
     def agree(self) -> bool:
         """Whether any rank has received a signal; a collective, so every rank must call it at the same point."""
         if self.signal_name is None:
-            # The handler may fire during the gather: only the gathered value decides, identically on every rank.
-            seen = self.accelerator.gather(torch.tensor([self.received], device=self.accelerator.device))
-            agreed = int(seen.max())
+            if self.accelerator.num_processes == 1:
+                agreed = self.received  # nothing to agree with: no device tensor, no sync on every step
+            else:
+                # The handler may fire during the gather: only the gathered value decides, identically on every rank.
+                seen = self.accelerator.gather(torch.tensor([self.received], device=self.accelerator.device))
+                agreed = int(seen.max())
             if agreed:
                 self.signal_name = signal.Signals(agreed).name
                 if not self.received:
