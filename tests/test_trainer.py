@@ -1,10 +1,12 @@
 """SFTTrainer: the loss is normalised by the trained tokens of the whole optimizer step."""
 
 import json
+import re
 
 import datasets
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from sft import SFTConfig, SFTTrainer
 from sft.data.encode import IGNORE_INDEX
@@ -78,3 +80,32 @@ def test_throughput_log_counts_exact_tokens_and_logs_plain_numbers(monkeypatch):
     second = log.add_to({"loss": 0.5})  # t = 103: a new window of 4 tokens in 1 s; trained tokens keep counting
     assert second == {"loss": 0.5, "tokens_per_second": 4.0, "trained_tokens": 8}
     assert json.loads(json.dumps(second)) == second and type(second["trained_tokens"]) is int
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_an_infinite_gradient_norm_stops_training_at_its_own_step(tmp_path, tokenizer, max_grad_norm):
+    """The step whose gradients are infinite while its loss is finite is the diverged one (the Trainer's own norm,
+    with and without clipping, reaches the guard); a guard blind to the norm would stop a step later, on the NaN
+    loss the broken weights give."""
+    model = make_llama(len(tokenizer), seed=1)
+    first = model.model.embed_tokens.weight
+    handle = first.register_hook(lambda grad: grad * float("inf"))  # inf, or nan where the gradient is 0
+    args = SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+                     max_grad_norm=max_grad_norm, logging_steps=1, report_to="none", save_strategy="no",
+                     logging_nan_inf_filter=False)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=toy_dataset())
+    trainer.add_callback(RemoveAfterFirstStep(handle))
+    trainer.train()
+    step, what = trainer.divergence.bad
+    assert step == 1 and re.match(r"the gradient norm is (nan|inf) at loss \d", what) and trainer.state.global_step == 1
+
+
+class RemoveAfterFirstStep(TrainerCallback):
+    """Removes a gradient hook once the first optimizer step is taken."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.handle.remove()
+        return control

@@ -22,7 +22,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 
 class DivergenceGuard(TrainerCallback):
-    """Stops at the first optimizer step whose loss (or logged gradient norm) is not finite."""
+    """Stops at the first optimizer step whose loss or gradient norm is not finite."""
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
@@ -35,20 +35,17 @@ class DivergenceGuard(TrainerCallback):
         """One micro-batch's loss (already scaled for gradient accumulation); the step's loss is their sum."""
         self._step_loss += float(loss)  # the Trainer already syncs on each loss for its NaN filter
 
-    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                              **kwargs: Any) -> TrainerControl:
-        # The Trainer keeps the step's gradient norm to itself; one more norm over the (clipped) gradients is cheap
-        # next to the step. A non-finite norm makes clipping turn every gradient into NaN, so this sees it either way.
-        # fp16's loss scaler skips steps with infinite gradients on purpose; ZeRO keeps gradients out of p.grad.
-        grads = [p.grad for p in kwargs["model"].parameters() if p.grad is not None]
-        if grads and not args.fp16:
-            self._grad_norm = float(torch.nn.utils.get_total_norm(grads))
-        return control
+    def add_grad_norm(self, norm: torch.Tensor | float | None, fp16: bool) -> None:
+        """The step's gradient norm as the Trainer computed it (SFTMixin._get_grad_norm): before clipping, through
+        accelerate, so FSDP and ZeRO norms count too. fp16's loss scaler skips steps with infinite gradients on
+        purpose; that is not divergence."""
+        if norm is not None and not fp16:
+            self._grad_norm = norm  # a device tensor: read once at the step's end
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
         loss, self._step_loss = self._step_loss, 0.0
-        norm, self._grad_norm = self._grad_norm, 0.0
+        norm, self._grad_norm = float(self._grad_norm), 0.0
         finite = math.isfinite(loss) and math.isfinite(norm)
         if finite and control.should_save:  # belt and braces: never save weights that are not finite
             finite = all(bool(torch.isfinite(p).all()) for p in kwargs["model"].parameters())
@@ -59,14 +56,6 @@ class DivergenceGuard(TrainerCallback):
             self._stop(state.global_step, what, control)
         elif self.bad is None:
             self.last_finite = (state.global_step, loss)
-        return control
-
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, float] | None = None, **kwargs: Any) -> TrainerControl:
-        # fp16's loss scaler skips steps with infinite gradients on purpose; that is not divergence.
-        norm = (logs or {}).get("grad_norm")
-        if norm is not None and not args.fp16 and not math.isfinite(norm) and self.bad is None:
-            self._stop(state.global_step, f"the gradient norm is {norm}", control)
         return control
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

@@ -164,6 +164,12 @@ class SFTMixin:
         self.divergence.add_loss(loss)  # every step's loss: the Trainer's logs filter NaN out
         return loss
 
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        """The Trainer's gradient norm of this step (computed every step), handed to the divergence guard."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.divergence.add_grad_norm(grad_norm, self.args.fp16)
+        return grad_norm
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add tokens/s (since the last log) and the running trained-token count to training logs."""
         super().log(self.throughput.add_to(logs), start_time)
