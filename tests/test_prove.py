@@ -291,3 +291,28 @@ def test_mask_proof_passes_a_glm_recipe_end_to_end(tmp_path):
     proof = prove_masks(Bench.build(str(recipe), None, tmp_path / "bench"), 8)
     assert proof.passed, proof.evidence
     assert proof.figure.startswith("4 rows, 8 trained answers")
+
+
+def test_mask_proof_passes_sharegpt_function_call_rows():
+    """ShareGPT `function_call` turns (LLaMA-Factory's glaive tool-call demo) are assistant tool calls, read by the
+    proof as sft reads them (sft.data.messages): the template renders them as tool calls and the proof PASSes."""
+    from test_template_masks import SHARED, TEMPLATES
+
+    data = SHARED / "datasets" / "chat" / "llamafactory_glaive_toolcall_en_demo.json"
+    if not TEMPLATES.is_dir() or not data.is_file():
+        pytest.skip(f"shared fixtures (templates, glaive tool-call demo) not found under {SHARED}")
+    rows = [row for row in json.loads(data.read_text())
+            if any(turn["from"] == "function_call" for turn in row["conversations"])][:3]
+    for row in rows:
+        problems, tally = chat_row_proof("qwen2_5", row)
+        assert problems == [] and tally["turns"] >= 2 and not tally["unplaced"]
+
+
+def test_mask_proof_reads_role_content_dicts_under_conversations():
+    """A `conversations` column of role/content messages (no ShareGPT from/value) is read as messages."""
+    from test_template_masks import CONVERSATIONS, TEMPLATES
+
+    if not TEMPLATES.is_dir():
+        pytest.skip(f"fixture chat templates not found at {TEMPLATES}")
+    problems, tally = chat_row_proof("qwen2_5", {"conversations": CONVERSATIONS["multi"]["messages"]})
+    assert problems == [] and tally["turns"] == 2

@@ -21,13 +21,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from sft.data.chat_templates import (
     PRESETS,
     REPLY_MARK,
+    TEMPLATE_ERRORS,
     resolve_chat_template,
     stop_tokens,
 )
@@ -40,8 +40,6 @@ HISTORY = ("split", "last", "error")
 THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written inside the content
 EMPTY_THINK = re.compile(r"<think>\s*</think>")  # what reasoning templates write for a turn without reasoning
 READS_REASONING = re.compile(r"reasoning_content|\.thinking\b|\[['\"]thinking['\"]\]")  # a template reading it
-# What rendering odd data can raise: raise_exception / undefined names (jinja2), str + None, a missing index, ...
-TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +166,7 @@ class ChatRenderer:
             found = final.rfind(opening)
             if found >= 0 and len(opening) > len(previous):
                 return prompt + final[found + len(opening):], len(prompt)
-        start = _common_prefix(prompt, final)
+        start = common_prefix(prompt, final)
         if previous and previous in prompt[start:]:
             raise ctx.error("the chat template renders the conversation before this assistant turn differently "
                             "once the turn is added, so where the answer starts is unknown",
@@ -185,7 +183,7 @@ class ChatRenderer:
                                            add_generation_prompt=False, **self._variables)
         except TEMPLATE_ERRORS:
             return final
-        at = _common_prefix(final, longer)
+        at = common_prefix(final, longer)
         stop = self._stop.search(longer, at)
         if stop is None:
             return final
@@ -210,10 +208,10 @@ class ChatRenderer:
         spans = []
         for i in untrained:
             prompt = self._render([m.data for m in messages[:i]], tools, True, ctx)
-            start = _common_prefix(prompt, text)  # the whole text is trained here, so a rough start is enough
+            start = common_prefix(prompt, text)  # the whole text is trained here, so a rough start is enough
             stop = self._stop.search(text, start)
             spans.append((start, stop.end() if stop else len(text)))
-        return Rendered(text, _complement(spans, len(text)), append_eos=False, add_special_tokens=False)
+        return Rendered(text, complement(spans, len(text)), append_eos=False, add_special_tokens=False)
 
     def _conversation(self, row: dict, ctx: Row) -> tuple[list[Message], list[dict] | None]:
         """The row's messages, prepared for this template, and its tool list."""
@@ -366,7 +364,7 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-def _common_prefix(a: str, b: str) -> int:
+def common_prefix(a: str, b: str) -> int:
     """Length of the longest common prefix of a and b."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -387,7 +385,7 @@ def _alternation(tokens: list[str]) -> re.Pattern:
     return re.compile("|".join(map(re.escape, unique)) or "(?!)")
 
 
-def _complement(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+def complement(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
     """[0, length) minus `spans`."""
     out, pos = [], 0
     for start, end in sorted(spans):

@@ -17,6 +17,8 @@ from sft.errors import SFTError
 from sft.models.hub import local_files_only
 
 EOS = "eos_token"  # a preset whose turns end with the tokenizer's own EOS (</s> on Llama-2 / Mistral vocabularies)
+# What rendering odd data can raise: raise_exception / undefined names (jinja2), str + None, a missing index, ...
+TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
 
 @dataclass(frozen=True)
@@ -359,7 +361,7 @@ def _text_after_reply(tokenizer: PreTrainedTokenizerBase, template: str | None, 
         conversation.append({"role": "user", "content": REPLY_MARK})
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False)
-    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError):
+    except TEMPLATE_ERRORS:
         return None  # a template refusing the probe: the EOS ids alone stop replies
     pieces = text.split(REPLY_MARK)
     return pieces[1] if len(pieces) > 1 else None

@@ -10,6 +10,8 @@ stop token the template writes when the conversation goes on (a user message, a 
 example the encoder makes of a row (the whole conversation, or one answer in its own context under
 `history: split`) is located among these renderings and compared token by token: no trained token outside the
 answers the policy trains, and each such answer fully trained in some example.
+The row is read into messages as sft reads it (sft.data.messages.conversation: ShareGPT `function_call` turns
+become tool calls): parsing is shared, the mask is not.
 Plain formats: the decoded trained tokens are the row's answer column, ending in EOS.
 """
 import json
@@ -24,10 +26,12 @@ from transformers import PreTrainedTokenizerBase
 
 from sft.check.prove.bench import Bench
 from sft.check.prove.result import Proof
+from sft.data.chat import common_prefix, complement
 from sft.data.chat_templates import generation_eos, stop_token_ids
 from sft.data.encode import IGNORE_INDEX
 from sft.data.formats import CHAT_FORMATS
-from sft.data.messages import REASONING_FIELDS, SHAREGPT_ROLES
+from sft.data.messages import Row
+from sft.data.messages import conversation as read_conversation
 from sft.data.show import show_examples
 
 THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written in the content
@@ -71,14 +75,17 @@ def prove_masks(bench: Bench, rows: int, encode_row: Callable[[dict, int], list[
     encode_row = encode_row or bench.row_encoder()
     stops = stop_ids(bench)
     tally: Counter = Counter()
-    evidence = ""
+    evidence, reads = "", None  # reads: whether the template renders reasoning fields, probed at the first chat row
     for index in sorted(random.Random(0).sample(range(len(raw)), min(rows, len(raw)))):
         examples = encode_row(raw[index], index + 1)
         if not examples:
             tally["dropped"] += 1
             continue
-        check = check_chat_row if chat_row(raw[index], fmt) else check_plain_row
-        problems, shown = check(bench, raw[index], fmt, examples, stops, tally)
+        if chat_row(raw[index], fmt):
+            reads = reads_reasoning(bench.tokenizer) if reads is None else reads
+            problems, shown = check_chat_row(bench, raw[index], fmt, examples, stops, tally, reads)
+        else:
+            problems, shown = check_plain_row(bench, raw[index], fmt, examples, stops, tally)
         tally["rows"] += 1
         tally["examples"] += len(examples)
         if problems and not evidence:
@@ -109,13 +116,15 @@ def chat_row(row: dict, fmt: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 
 def check_chat_row(bench: Bench, row: dict, fmt: str, examples: list[dict], stops: set[int],
-                   tally: Counter) -> tuple[list[str], dict]:
+                   tally: Counter, reads: bool | None = None) -> tuple[list[str], dict]:
     """Each example must be a rendering of the conversation (whole, or up to one answer: `history: split`) whose
-    trained tokens lie in the answers the policy trains; each such answer must be fully trained in one of them."""
+    trained tokens lie in the answers the policy trains; each such answer must be fully trained in one of them.
+    `reads`: whether the template renders reasoning fields (`reads_reasoning`; probed here when None)."""
     messages, trained, tools = conversation(row, bench.base.train_on_last_turn_only)
     render = lambda msgs, prompt: bench.tokenizer.apply_chat_template(  # noqa: E731
         msgs, tools=tools, add_generation_prompt=prompt, tokenize=False)
-    messages = template_form(render, thinking_read(render, messages))
+    reads = reads_reasoning(bench.tokenizer) if reads is None else reads
+    messages = template_form(render, thinking_read(reads, messages))
     turns = [expected_turn(render, messages, i, i in trained, bench.tokenizer, stops)
              for i, m in enumerate(messages) if m["role"] == "assistant"]
     candidates = [render(messages, False)] + [t.text for t in turns]
@@ -167,15 +176,19 @@ def template_form(render: Callable, messages: list[dict]) -> list[dict]:
     return messages
 
 
-def thinking_read(render: Callable, messages: list[dict]) -> list[dict]:
-    """A <think> block opening an answer's content is its reasoning for a template that renders reasoning fields
-    (GPT-OSS, Nemotron-3 would otherwise show the block as answer text); others render the content verbatim."""
+def reads_reasoning(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the template renders an answer's reasoning fields (GPT-OSS, Nemotron-3): probed once per proof."""
     probe = [{"role": "user", "content": "hi"},
              {"role": "assistant", "content": "hi", "reasoning_content": "PROBE", "thinking": "PROBE"}]
     try:
-        reads = "PROBE" in render(probe, False)
+        return "PROBE" in tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=False)
     except (TemplateError, TypeError):
-        reads = False
+        return False
+
+
+def thinking_read(reads: bool, messages: list[dict]) -> list[dict]:
+    """A <think> block opening an answer's content is its reasoning for a template that renders reasoning fields
+    (`reads`: GPT-OSS, Nemotron-3 would otherwise show the block as answer text); others render it verbatim."""
     out = []
     for m in messages:
         think = THINK.match(m["content"]) if reads and m["role"] == "assistant" else None
@@ -186,7 +199,9 @@ def thinking_read(render: Callable, messages: list[dict]) -> list[dict]:
 
 
 def string_arguments(call: dict) -> dict:
-    return {**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}
+    arguments = call["function"]["arguments"]  # a string where the row's is not a JSON object: kept as written
+    return {**call, "function": {**call["function"],
+                                 "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
 
 
 def continued(render: Callable, messages: list[dict], i: int, text: str, tokenizer: PreTrainedTokenizerBase,
@@ -263,81 +278,16 @@ def turn_tail(turns: list[Turn], index: int) -> str:
     return next(t.text[-30:] for t in turns if t.index == index)
 
 
-def common_prefix(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def conversation(row: dict, last_only: bool) -> tuple[list[dict], set[int], list | None]:
-    """The row's messages as the template sees them, the indices of trained answers, and its tools."""
-    if row.get("messages") is not None:
-        turns, trainable = list(row["messages"]), None
-    elif row.get("conversations") is not None:
-        turns, trainable = [sharegpt(t) for t in row["conversations"]], None
-    else:
-        turns, trainable = list(row["prompt"]) + list(row["completion"]), len(row["prompt"])
-    messages = [message(t) for t in turns]
-    if isinstance(row.get("system"), str) and row["system"].strip() and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": row["system"]})
-        turns, trainable = [None, *turns], trainable + 1 if trainable is not None else None
-    trained = {i for i, (m, t) in enumerate(zip(messages, turns))
-               if m["role"] == "assistant" and wants_training(t) and (trainable is None or i >= trainable)}
+    """The row's messages as sft reads them (sft.data.messages), reasoning also under `thinking` (GPT-OSS reads
+    it), the indices of trained answers (only the last answer under `train_on_last_turn_only`), and its tools."""
+    messages, tools = read_conversation(row, Row("(the masks proof)", 0))
+    trained = {i for i, m in enumerate(messages) if m.role == "assistant" and m.trained}
     if last_only and trained:
-        trained = {max(i for i, m in enumerate(messages) if m["role"] == "assistant")} & trained
-    tools = row.get("tools")
-    tools = json.loads(tools) if isinstance(tools, str) and tools else drop_nulls(tools) or []
-    return messages, trained, [t if "function" in t else {"type": "function", "function": t} for t in tools] or None
-
-
-def message(raw: dict) -> dict:
-    """role/content (text parts joined), tool calls with parsed arguments, tool_call_id and name."""
-    content = raw.get("content")
-    if isinstance(content, list):
-        content = "".join(part["text"] for part in content)
-    out = {"role": raw["role"], "content": content or ""}
-    if raw.get("tool_calls"):
-        out["tool_calls"] = [tool_call(call) for call in raw["tool_calls"]]
-    out.update({k: raw[k] for k in ("tool_call_id", "name") if isinstance(raw.get(k), str)})
-    reasoning = next((raw[k] for k in REASONING_FIELDS if isinstance(raw.get(k), str) and raw[k].strip()), None)
-    if reasoning and raw["role"] == "assistant":  # under the names templates read (GPT-OSS: `thinking`)
-        out.update(reasoning_content=reasoning, thinking=reasoning)
-    return out
-
-
-def tool_call(call: dict) -> dict:
-    call = drop_nulls(call)
-    function = call.get("function", call)
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments)
-    return {**{k: v for k, v in call.items() if k != "function"}, "type": "function",
-            "function": {"name": function["name"], "arguments": arguments}}
-
-
-def sharegpt(turn: dict) -> dict:
-    role = SHAREGPT_ROLES[turn["from"]]
-    return {"role": role, "content": turn["value"], "train": turn.get("train"), "weight": turn.get("weight")}
-
-
-def wants_training(raw: Any) -> bool:
-    return not isinstance(raw, dict) or (raw.get("train") is not False and raw.get("weight") not in (0, 0.0))
-
-
-def drop_nulls(value: Any) -> Any:
-    """Arrow fills keys absent from a row with null when it unifies structs; templates must not see them."""
-    if isinstance(value, dict):
-        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
-    return [drop_nulls(v) for v in value] if isinstance(value, list) else value
-
-
-def complement(regions: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    out, pos = [], 0
-    for a, b in sorted(regions):
-        out += [(pos, a)] if a > pos else []
-        pos = max(pos, b)
-    return out + ([(pos, length)] if pos < length else [])
+        trained = {max(i for i, m in enumerate(messages) if m.role == "assistant")} & trained
+    aliased = [{**m.data, "thinking": m.data["reasoning_content"]} if "reasoning_content" in m.data else m.data
+               for m in messages]
+    return aliased, trained, tools
 
 
 # ---------------------------------------------------------------------------------------------------------------
