@@ -28,7 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
 ALPACA = FIXTURES / "alpaca" / "alpaca_data_1k.json"
 TOKENIZER = FIXTURES / "tokenizers" / "mistral-7b-instruct-v0.3"
-GPU_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -236,13 +235,11 @@ def model_flops(config, tokens: float, attention_pairs: float = 0, frozen: bool 
     under LoRA: no weight gradients; the adapter's <1% is not counted), plus attention: QK^T and AV cost 4 x
     (heads x head_dim) FLOPs per causal query-key pair and layer forward, x3 with the backward.
     `attention_pairs` = sum of n(n+1)/2 over the examples (each attends only within itself); 0 leaves it out."""
-    h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    per_layer = h * (q + 2 * kv + q) + 3 * h * inter
-    matmul_params = layers * per_layer + config.vocab_size * h  # the LM head; the embedding lookup is no matmul
-    attention = 12 * layers * q * attention_pairs
-    return (4 if frozen else 6) * matmul_params * tokens + attention
+    from sft.planning.memory import head_dim
+    from sft.planning.plan import matmul_params  # the planner's count: decoder layers + LM head, no embedding lookup
+
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * attention_pairs
+    return (4 if frozen else 6) * matmul_params(config) * tokens + attention
 
 
 # ---- orchestration (parent process) ----

@@ -115,12 +115,13 @@ def clock_callback(spec: dict, record: dict):
 def example_lengths(inputs: dict) -> list[int]:
     """Example lengths in one micro-batch: runs of restarting position ids (packed or padding-free rows), else the
     unpadded rows. Host tensors (the Trainer moves them later), so no GPU sync."""
+    from sft.data.boundaries import spans
+
     mask, pos = inputs.get("attention_mask"), inputs.get("position_ids")
     if pos is None:
         return mask.sum(-1).tolist() if mask is not None else [inputs["input_ids"].shape[1]] * len(inputs["input_ids"])
     pos = pos[mask.bool()] if mask is not None else pos.flatten()
-    starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
-    return [b - a for a, b in zip(starts, starts[1:])]
+    return [end - start for start, end in spans(pos)]  # sft's one rule for where examples start
 
 
 def count_batches(trainer, record: dict) -> None:

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from sft import SFTError, build_datasets, load_recipe, rundir, train
-from sft.training.flows import evaluate
 from sft.data.tokenizer import load_tokenizer
 from sft.models.loading import load_model
+from sft.training.flows import evaluate
 from sft.training.trainer import SFTTrainer
 
 from conftest import write_json
