@@ -65,20 +65,26 @@ class CheckReport:
 def check_recipe(path: str, flags: list[str] | None = None) -> CheckReport:
     """Validate and dry-run a recipe on CPU; raises SFTError with what is wrong."""
     start = time.perf_counter()
-    config = load_recipe(path, flags=flags)
-    unset_hf_deepspeed_config()  # validating a ZeRO-3 recipe sets a global that would partition the tiny model
-    report = CheckReport(recipe=str(path))
     with tempfile.TemporaryDirectory(prefix="sft-check-") as tmp:
-        overrides = cpu_overrides(config, report, Path(tmp))
-        overrides.update(sample_data(config, report))
-        overrides.update(tiny_model(config, report, Path(tmp) / "model"))
-        values = {**{k: getattr(config, k) for k in config.recipe_keys}, **overrides}
+        _, values, report = tiny_recipe(path, flags, Path(tmp))
         from sft.training.flows import train
 
         run_dir = train(load_recipe(values))
         report.metrics = _final_metrics(run_dir)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def tiny_recipe(path: str, flags: list[str] | None, folder: Path) -> tuple[SFTConfig, dict, CheckReport]:
+    """The recipe as written, its values for a short CPU run on a tiny model of its architecture (saved under
+    `folder`) and its sample data, and the report of what was replaced or skipped."""
+    config = load_recipe(path, flags=flags)
+    unset_hf_deepspeed_config()  # validating a ZeRO-3 recipe sets a global that would partition the tiny model
+    report = CheckReport(recipe=str(path))
+    overrides = cpu_overrides(config, report, folder)
+    overrides.update(sample_data(config, report))
+    overrides.update(tiny_model(config, report, folder / "model"))
+    return config, {**{k: getattr(config, k) for k in config.recipe_keys}, **overrides}, report
 
 
 def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:

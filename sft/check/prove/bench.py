@@ -10,15 +10,8 @@ import datasets
 import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from sft.check.smoke import (
-    SAMPLE_ROWS,
-    CheckReport,
-    cpu_overrides,
-    sample_data,
-    tiny_model,
-)
+from sft.check.smoke import SAMPLE_ROWS, CheckReport, tiny_recipe
 from sft.config.arguments import SFTConfig
 from sft.data.build import SourceFormat, make_renderer, prepare_splits, resolve_format
 from sft.data.chat_templates import generation_eos
@@ -50,14 +43,8 @@ class Bench:
 
     @classmethod
     def build(cls, path: str, flags: list[str] | None, folder: Path, mask_rows: int = SAMPLE_ROWS) -> "Bench":
-        recipe = load_recipe(path, flags=flags)
-        unset_hf_deepspeed_config()  # validating a ZeRO-3 recipe sets a global that would partition the tiny model
-        report = CheckReport(recipe=str(path))
-        overrides = cpu_overrides(recipe, report, folder)
-        overrides.update(sample_data(recipe, report))
-        overrides.update(tiny_model(recipe, report, folder / "model"))
-        values = {**{k: getattr(recipe, k) for k in recipe.recipe_keys}, **overrides, **QUIET}
-        return cls(recipe, values, report, folder, mask_rows)
+        recipe, values, report = tiny_recipe(path, flags, folder)
+        return cls(recipe, values | QUIET, report, folder, mask_rows)
 
     def config(self, **overrides: Any) -> SFTConfig:
         """The bench recipe with `overrides`, validated like any recipe."""
