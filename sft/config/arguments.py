@@ -12,7 +12,7 @@ from transformers.utils import (
     is_torch_xla_available,
 )
 
-from sft.config.names import DISTRIBUTED_PRESETS, DTYPE_NAMES
+from sft.config.names import DISTRIBUTED_PRESETS, DTYPE_NAMES, HISTORY, NO_ASSISTANT_TURN
 
 # Flags a machine may be unable to honour. A recipe that sets them must still load (and pass `sft check`) on a
 # laptop: where the hardware lacks them they are held back from TrainingArguments' validation and reported when
@@ -66,11 +66,11 @@ class SFTConfig(Seq2SeqTrainingArguments):
     train_on_last_turn_only: bool = _help("Chat data: train only the last assistant turn; earlier ones are context.",
                                           False)
     no_assistant_turn: str = _help("Chat rows without an assistant message: error (stop, naming the row) or drop "
-                                   "(skip and count them).", "error", choices=("error", "drop"))
+                                   "(skip and count them).", "error", choices=NO_ASSISTANT_TURN)
     history: str = _help("Chat templates that render earlier turns differently from the last one (Qwen3 drops "
                          "their reasoning, GPT-OSS ends them with <|end|>): split (one example per trained turn, in "
                          "the context the template gives it at inference), last (train only the final turn) or "
-                         "error.", "split", choices=("split", "last", "error"))
+                         "error.", "split", choices=HISTORY)
     dataset_num_proc: int | None = _help("Processes for tokenization (datasets.map num_proc).")
     dataloader_pin_memory: bool = _help("Pin dataloader memory (only useful with a GPU).", torch.cuda.is_available())
     overwrite_output_dir: bool = _help("Replace an earlier sft run in output_dir (only the files sft wrote) "

@@ -24,6 +24,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
+from sft.config.names import HISTORY, NO_ASSISTANT_TURN
 from sft.data.chat_templates import (
     PRESETS,
     REPLY_MARK,
@@ -35,8 +36,6 @@ from sft.data.formats import Rendered
 from sft.data.messages import Message, Row, conversation
 from sft.errors import SFTError
 
-NO_ASSISTANT_TURN = ("error", "drop")
-HISTORY = ("split", "last", "error")
 THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written inside the content
 EMPTY_THINK = re.compile(r"<think>\s*</think>")  # what reasoning templates write for a turn without reasoning
 READS_REASONING = re.compile(r"reasoning_content|\.thinking\b|\[['\"]thinking['\"]\]")  # a template reading it
