@@ -51,7 +51,7 @@ def train(config: SFTConfig) -> Path:
     model = load_model(config, tokenizer)
     trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer, train_dataset=train_set,
                                    eval_dataset=eval_set)
-    if eval_data is not None and trainer.generation_eval is not None:
+    if eval_set is not None and eval_set is not eval_data.dataset and trainer.generation_eval is not None:
         trainer.generation_eval.use_offsets_of(eval_data.dataset)  # the packed eval set no longer carries them
     output_dir = prepare_output_dir(config, resume, trainer)
     result = trainer.train(resume_from_checkpoint=resume)
