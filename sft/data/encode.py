@@ -82,9 +82,8 @@ def trained_labels(alignment: TokenAlignment, spans: list[tuple[int, int]]) -> l
     ids = alignment.ids
     labels = [IGNORE_INDEX] * len(ids)
     for start, end in spans:
-        first, last = _token_at(alignment, range(start, end)), _token_at(alignment, range(end - 1, start - 1, -1))
-        if first is not None and last is not None:
-            labels[first:last + 1] = ids[first:last + 1]
+        first, stop = _token_run(alignment, start, end)
+        labels[first:stop] = ids[first:stop]
     if labels:
         labels[0] = IGNORE_INDEX
     return labels
