@@ -31,6 +31,7 @@ from sft.data.chat_templates import (
     TEMPLATE_ERRORS,
     resolve_chat_template,
     stop_tokens,
+    tokens_not_in_vocab,
 )
 from sft.data.formats import Rendered
 from sft.data.messages import Message, Row, conversation
@@ -347,8 +348,7 @@ def _reasoning_span(text: str, start: int, stop: int, reasoning: str) -> tuple[i
 
 def _warn_split_tokens(tokenizer: PreTrainedTokenizerBase, preset: str) -> None:
     """Warn when the preset's special tokens are not single tokens of this tokenizer (a base model's)."""
-    vocab = tokenizer.get_vocab()
-    split = [t for t in PRESETS[preset].special_tokens if t not in vocab]
+    split = tokens_not_in_vocab(tokenizer, preset)
     if split:
         log.warning("chat_template %s writes %s, which this tokenizer splits into pieces (the trained end of a turn "
                     "may then merge with the newline after it). Add them with "

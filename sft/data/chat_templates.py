@@ -297,17 +297,22 @@ def prepare_tokenizer_for_template(tokenizer: PreTrainedTokenizerBase, preset: s
     """
     if preset not in PRESETS:
         raise SFTError(f"chat_template {preset} is not a preset; presets: {', '.join(PRESETS)}.")
-    vocab = tokenizer.get_vocab()
+    absent = tokens_not_in_vocab(tokenizer, preset)
     added: list[str] = []
     if PRESETS[preset].end_of_turn == EOS and not tokenizer.eos_token:
+        added += [] if "</s>" in tokenizer.get_vocab() else ["</s>"]
         tokenizer.add_special_tokens({"eos_token": "</s>"})  # EOS-terminated formats need one
-        added += [] if "</s>" in vocab else ["</s>"]
-    wanted = PRESETS[preset].special_tokens
     registered = set(tokenizer.all_special_tokens)
-    missing = [t for t in wanted if t not in registered]
+    missing = [t for t in PRESETS[preset].special_tokens if t not in registered]
     if missing:
         tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
-    return added + [t for t in wanted if t not in vocab]
+    return added + absent
+
+
+def tokens_not_in_vocab(tokenizer: PreTrainedTokenizerBase, preset: str) -> list[str]:
+    """The preset's special tokens this tokenizer's vocabulary lacks (it would split them into pieces)."""
+    vocab = tokenizer.get_vocab()
+    return [t for t in PRESETS[preset].special_tokens if t not in vocab]
 
 
 # End-of-turn tokens of common templates, recognised even where a tokenizer does not register them as special.
