@@ -50,6 +50,19 @@ def _no_tools(name: str) -> str:
     return (r"{%- if tools %}{{- raise_exception('chat_template " + name + r" has no tool format; "
             r"use chatml, llama3 or mistral_v3 for tool data') }}{%- endif %}")
 
+def _role_tags(name: str, end: str) -> str:
+    """`<|role|>` header, content, `end` (a Jinja expression) and a newline per message; system, user and assistant
+    messages only (Zephyr and Phi-3, which differ only in how a turn ends)."""
+    return _no_tools(name) + r"""
+{%- for message in messages %}
+    {%- if message.role not in ('system', 'user', 'assistant') %}
+        {{- raise_exception('chat_template """ + name + r""" supports system, user and assistant messages only, got '
+            + message.role) }}
+    {%- endif %}
+    {{- '<|' + message.role + '|>\n' + message.content + """ + end + r""" + '\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}"""
+
 
 def _alternating(name: str, roles: str = "user/assistant") -> str:
     """Template guard: after an optional system message, roles alternate user/assistant, starting with user."""
@@ -181,15 +194,7 @@ MISTRAL_V3 = _SPLIT_SYSTEM + r"""
 {%- endfor %}"""
 
 # HuggingFaceH4/zephyr-7b-beta (also TinyLlama-1.1B-Chat): <|role|> headers are plain text, turns end with </s>.
-ZEPHYR = _no_tools("zephyr") + r"""
-{%- for message in messages %}
-    {%- if message.role not in ('system', 'user', 'assistant') %}
-        {{- raise_exception('chat_template zephyr supports system, user and assistant messages only, got '
-            + message.role) }}
-    {%- endif %}
-    {{- '<|' + message.role + '|>\n' + message.content + eos_token + '\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}"""
+ZEPHYR = _role_tags("zephyr", "eos_token")
 
 # Stanford Alpaca's prompt, verbatim for one turn (same text as the `alpaca` dataset format); a system message
 # replaces the preamble, and each further turn adds an Instruction/Response pair.
@@ -218,15 +223,7 @@ VICUNA = _no_tools("vicuna") + _SPLIT_SYSTEM + _BOS + r"""
 {%- if add_generation_prompt %}{{- 'ASSISTANT:' }}{%- endif %}"""
 
 # microsoft/Phi-3-mini-*-instruct, without the Hub template's trailing <|endoftext|> (turns end with <|end|>).
-PHI3 = _no_tools("phi3") + r"""
-{%- for message in messages %}
-    {%- if message.role not in ('system', 'user', 'assistant') %}
-        {{- raise_exception('chat_template phi3 supports system, user and assistant messages only, got '
-            + message.role) }}
-    {%- endif %}
-    {{- '<|' + message.role + '|>\n' + message.content + '<|end|>\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}"""
+PHI3 = _role_tags("phi3", "'<|end|>'")
 
 # Gemma (1/2) instruct: the assistant is "model"; a system message opens the first user turn.
 GEMMA = _no_tools("gemma") + _SPLIT_SYSTEM + _BOS + r"""
