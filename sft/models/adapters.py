@@ -11,6 +11,7 @@ from peft import (
     get_peft_model,
     prepare_model_for_kbit_training,
 )
+from torch import nn
 from transformers import PreTrainedModel
 
 from sft.config.arguments import SFTConfig
@@ -115,6 +116,11 @@ def keep_cpu_4bit_layers_differentiable(model: PreTrainedModel) -> None:
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (the model itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def is_adapter_folder(name: str | Path) -> bool:

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config.arguments import SFTConfig
+from sft.models.adapters import unwrapped
 from sft.models.quantization import DTYPES, compute_dtype
 from sft.training.loss import (
     LinearCrossEntropy,
@@ -168,11 +169,7 @@ def materialize(model: nn.Module) -> None:
 def chunked_applies(model: nn.Module, config: SFTConfig) -> bool:
     """Whether SFTTrainer attaches the chunked loss to this model (sft.training.loss.attach_chunked_loss), under any
     preset."""
-    return config.chunked_loss and supports_chunked_loss(_base(model))
-
-
-def _base(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    return config.chunked_loss and supports_chunked_loss(unwrapped(model))
 
 
 def trained_rows(hidden: torch.Tensor) -> torch.Tensor:
@@ -185,7 +182,7 @@ def loss_of(model: nn.Module, config: SFTConfig, ids: torch.Tensor) -> torch.Ten
     """The training loss as SFTTrainer computes it (chunked loss where it applies), every position trained."""
     if not chunked_applies(model, config):
         return model(input_ids=ids, labels=ids, use_cache=False).loss
-    base = _base(model)
+    base = unwrapped(model)
     hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
     weight = base.get_output_embeddings().weight
     return LinearCrossEntropy.apply(trained_rows(hidden), weight, ids[:, 1:].reshape(-1),
@@ -243,7 +240,7 @@ def eval_step(model: nn.Module, config: SFTConfig, vocab_size: int, device: str)
             outputs = model(input_ids=ids, labels=ids, use_cache=False)
             token_cross_entropy(outputs.logits, ids, shifted=True)  # EvalTokenSums.add
             return
-        base = _base(model)
+        base = unwrapped(model)
         hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         weight = base.get_output_embeddings().weight
         targets = ids[:, 1:]

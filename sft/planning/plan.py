@@ -16,6 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from sft.config.arguments import SFTConfig
+from sft.models.adapters import unwrapped
 from sft.planning.hardware import GPU
 from sft.planning.memory import (
     GIB,
@@ -149,8 +150,7 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
     if config.load_in_8bit and method == "qlora":
         weight_bytes += sum(t.numel() for t in tensors if t.dtype == torch.uint8)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = base.get_decoder().layers
+    layers = unwrapped(model).get_decoder().layers
     return Model(weight_bytes=weight_bytes, trainable=sum(p.numel() for p in trainable),
                  trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
                  matmul_params=matmul_params(arch), layer_bytes=max(_bytes(layer) for layer in layers))

@@ -23,6 +23,7 @@ from transformers.utils import ModelOutput
 
 from sft.data.boundaries import starts
 from sft.data.encode import IGNORE_INDEX
+from sft.models.adapters import unwrapped
 from sft.models.families import has_plain_head
 
 MIN_CHUNK_ROWS = 128  # below this the head matmuls get inefficient
@@ -106,7 +107,7 @@ def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0) -> bool:
     accelerate's autocast, torch.compile) runs it: parameters are gathered and gradients synchronised as for any
     forward. Without labels (generate) the model's own forward runs unchanged.
     """
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = unwrapped(model)
     if not supports_chunked_loss(lm):
         return False
     if getattr(lm.forward, "chunked_loss", False):
