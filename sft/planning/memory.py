@@ -90,10 +90,15 @@ def head_dim(arch: PretrainedConfig) -> int:
     return getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads
 
 
+def activation_scale(config: SFTConfig) -> int:
+    """The activation coefficients are for 16-bit compute: fp32 training holds twice the bytes."""
+    return 1 if (config.bf16 or config.fp16) else 2
+
+
 def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, head_trainable: bool) -> dict[str, int]:
     """Activations of one micro-batch at their peak: saved per layer, the layer being recomputed, LM head / loss."""
     tokens = setup.micro_batch * setup.max_length
-    scale = 1 if (config.bf16 or config.fp16) else 2  # the coefficients are for 16-bit compute
+    scale = activation_scale(config)
     h, q, i = arch.hidden_size, arch.num_attention_heads * head_dim(arch), arch.intermediate_size
     ch, cq, ci = LAYER_BYTES[setup.method]
     layer = int(tokens * (ch * h + cq * q + ci * i) * scale)
@@ -158,9 +163,12 @@ def memory_breakdown(config: SFTConfig, arch: PretrainedConfig, setup: Setup, mo
     return {k: int(v) for k, v in parts.items()}
 
 
+STATIC_PARTS = ("weights", "gathered layers", "master weights (fp32)", "optimizer states")  # held all the run
+
+
 def train_peak(parts: dict[str, int], setup: Setup) -> int:
     """The peak of a step: activations peak before the gradients are complete unless accumulation keeps them."""
-    static = parts["weights"] + parts["gathered layers"] + parts["master weights (fp32)"] + parts["optimizer states"]
+    static = sum(parts[k] for k in STATIC_PARTS)
     acts = parts["activations"] + parts["lm head / loss"]
     grads = parts["gradients"]
     return static + (acts + grads if setup.grad_accum > 1 else max(acts, grads))
@@ -188,7 +196,7 @@ def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, 
     """sft.training.loss.chunked_forward without grad: a decoder layer's transient, or later the head's, whichever
     is larger."""
     vocab, h = arch.vocab_size, arch.hidden_size
-    scale = 1 if (config.bf16 or config.fp16) else 2  # the coefficients are for 16-bit compute
+    scale = activation_scale(config)
     ch, ci = EVAL_LAYER_BYTES[setup.method]
     decoder = tokens * (ch * h + ci * arch.intermediate_size) * scale + tokens * setup.max_length  # + bool mask
     # the last hidden state and its trained rows, one chunk of bf16 logits + float32 copy + log-softmax, and the

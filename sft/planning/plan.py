@@ -20,6 +20,7 @@ from sft.models.adapters import unwrapped
 from sft.planning.hardware import GPU
 from sft.planning.memory import (
     GIB,
+    STATIC_PARTS,
     Model,
     Setup,
     eval_bytes,
@@ -181,7 +182,7 @@ def flops_per_token(arch: PretrainedConfig, model: Model, setup: Setup) -> tuple
 def make_plan(config: SFTConfig, arch: PretrainedConfig, gpu: GPU, setup: Setup, model: Model) -> Plan:
     """Memory, speed and verdict of one setup (the override search runs this for each candidate)."""
     parts = memory_breakdown(config, arch, setup, model)
-    static = sum(parts[k] for k in ("weights", "gathered layers", "master weights (fp32)", "optimizer states"))
+    static = sum(parts[k] for k in STATIC_PARTS)
     train = train_peak(parts, setup)
     evaluation = eval_bytes(config, arch, setup, model)
     peak = max(train, static + evaluation)
