@@ -3,7 +3,6 @@ a real tokenizer merges the prompt's last characters with the answer's first (Qw
 `### Response:` + output)."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,8 @@ from sft.data.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT
 from sft.evaluation.predict import PromptGenerator, answer_offsets, causal_examples
 from sft.training.recipe import load_recipe
 
-# ../shared beside the checkout, as elsewhere in the tests; SFT_SHARED_FIXTURES points a worktree at it.
-FIXTURES = Path(os.environ.get("SFT_SHARED_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+from conftest import FIXTURES
+
 ALPACA = FIXTURES / "alpaca" / "alpaca_tiny_100.json"
 needs_fixtures = pytest.mark.skipif(not ALPACA.is_file(), reason=f"shared fixtures not found at {FIXTURES} "
                                     "(tokenizers and Alpaca rows from /work/shared)")

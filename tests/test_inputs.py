@@ -3,7 +3,6 @@ slices in `sft check`; duplicate recipe keys refused; a tokenizer of another fam
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -12,10 +11,11 @@ from sft.data.sources import Source, load_source
 from sft.errors import SFTError
 from sft.training.recipe import load_recipe
 
+from conftest import FIXTURES
+
 CORPUS = Path(__file__).parent / "bad_inputs"
 ROWS = json.loads((CORPUS / "good.json").read_text())
-TOKENIZERS = Path(os.environ.get("SFT_SHARED_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures")
-                  ) / "tokenizers"
+TOKENIZERS = FIXTURES / "tokenizers"
 
 
 def rows_of(path: Path, split: str = "train") -> list[dict]:

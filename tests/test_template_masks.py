@@ -11,7 +11,6 @@ added, and the stop tokens are those the publisher's generation_config.json decl
 
 import copy
 from functools import cache
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -20,8 +19,9 @@ from sft.data.chat import ChatRenderer
 from sft.data.encode import Encoding
 from sft.errors import SFTError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-TEMPLATES = SHARED / "templates"
+from conftest import FIXTURES
+
+TEMPLATES = FIXTURES / "templates"
 pytestmark = pytest.mark.skipif(not TEMPLATES.is_dir(), reason=f"fixture chat templates not found at {TEMPLATES} "
                                 "(the shared fixtures live in ../shared next to the repository)")
 
@@ -116,7 +116,7 @@ CONVERSATIONS = {
 @cache
 def base_tokenizer():
     """Qwen2.5's byte-level BPE (vocab.json + merges.txt from the fixtures)."""
-    return AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen2.5-coder-3b-instruct")
+    return AutoTokenizer.from_pretrained(FIXTURES / "tokenizers" / "qwen2.5-coder-3b-instruct")
 
 
 @cache
@@ -429,7 +429,7 @@ def test_real_tool_call_data_trains_calls_and_answers_never_results(name):
     trained exactly once, ends at a stop token, and no tool result is ever trained."""
     import json
 
-    rows = json.loads((SHARED / "datasets/chat/llamafactory_glaive_toolcall_en_demo.json").read_text())[:40]
+    rows = json.loads((FIXTURES / "datasets/chat/llamafactory_glaive_toolcall_en_demo.json").read_text())[:40]
     tok, stops = family_tokenizer(name)
     renderer = ChatRenderer(tok, generation_eos=stops)
     stop_texts = tok.convert_ids_to_tokens(stops)
