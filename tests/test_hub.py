@@ -37,18 +37,24 @@ def online(monkeypatch):
     hub.hub_reachable.cache_clear()
 
 
+@pytest.fixture
+def offline(monkeypatch):
+    """Offline mode on, the probe's answer forgotten before and after the test."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    hub.hub_reachable.cache_clear()
+    yield
+    hub.hub_reachable.cache_clear()
+
+
 def use_session(monkeypatch, session: FakeSession) -> FakeSession:
     monkeypatch.setattr(hub, "get_session", lambda: session)
     return session
 
 
-def test_offline_mode_is_unreachable_without_a_request(monkeypatch):
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    hub.hub_reachable.cache_clear()
+def test_offline_mode_is_unreachable_without_a_request(offline, monkeypatch):
     session = use_session(monkeypatch, FakeSession())
     assert hub.hub_reachable() is False and hub.local_files_only("org/model") is True
     assert session.heads == []
-    hub.hub_reachable.cache_clear()
 
 
 def test_an_unreachable_endpoint_is_probed_once_and_said_once(online, monkeypatch, caplog):
