@@ -37,15 +37,26 @@ def test_packed_eval_loss_equals_unpacked_on_gpu(tmp_path, tokenizer, attn):
         pytest.skip("flash-attn is not installed")
     dtype = torch.bfloat16 if flash else torch.float32  # flash kernels take half precision only
 
+    tolerance = 2e-2 if flash else 1e-5
+
     def eval_loss(data, **flags) -> float:
-        model = make_llama(len(tokenizer), seed=1, attn_implementation=attn).to("cuda", dtype)
+        # peaked attention (initializer_range 0.3): attending across packed examples changes the loss measurably
+        model = make_llama(len(tokenizer), seed=1, attn_implementation=attn, initializer_range=0.3).to("cuda", dtype)
         args = SFTConfig(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to="none", tf32=False,
                          attn_implementation=attn, **flags)
         return SFTTrainer(model=model, args=args, processing_class=tokenizer, eval_dataset=data).evaluate()["eval_loss"]
 
+    packed_rows = pack_dataset(toy_dataset(), 64)
+    # The negative control: the same packed rows and trained tokens with their example boundaries erased
+    # (position_ids 0..n-1 along each row, so one sequence and one cu_seq_lens span per row): attention leaks.
+    leaky_rows = packed_rows.map(lambda row: {"position_ids": list(range(len(row["input_ids"]))),
+                                              "seq_lengths": [len(row["input_ids"])]})
     unpacked = eval_loss(toy_dataset())
-    packed = eval_loss(pack_dataset(toy_dataset(), 64), eval_packing=True)  # flash: flattened with cu_seq_lens
-    assert packed == pytest.approx(unpacked, abs=2e-2 if flash else 1e-5)
+    packed = eval_loss(packed_rows, eval_packing=True)  # flash: flattened with cu_seq_lens
+    leaky = eval_loss(leaky_rows, eval_packing=True)
+    print(f"{attn}: unpacked {unpacked:.5f}, packed {packed:.5f}, leaky {leaky:.5f}")
+    assert abs(leaky - unpacked) > 2 * tolerance  # a leak is caught: the comparison below can fail
+    assert packed == pytest.approx(unpacked, abs=tolerance)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
