@@ -79,6 +79,13 @@ def write_json(path: Path, rows: list, jsonl: bool = False) -> Path:
     return path
 
 
+def snapshot(folder: Path) -> dict[str, bytes] | None:
+    """Every file under `folder` by relative path, with its bytes; None when `folder` does not exist."""
+    if not folder.exists():
+        return None
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def reference_causal_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Tensor | int) -> torch.Tensor:
     """The plain formula sft's chunked loss must equal (the tests' reference, independent of sft's own losses):
     summed shifted cross entropy / normalizer."""

@@ -10,8 +10,9 @@ import yaml
 from sft import rundir
 from sft.cli.main import main
 
+from conftest import REPO, snapshot
+
 CORPUS = Path(__file__).parent / "bad_inputs"
-REPO = CORPUS.parents[1]
 CASES = yaml.safe_load((CORPUS / "cases.yaml").read_text())
 
 
@@ -42,10 +43,6 @@ def make_template_model(tiny_model_dir: Path, tmp: Path, template: str) -> Path:
     shutil.copytree(tiny_model_dir, model)
     (model / "chat_template.jinja").write_text(template)
     return model
-
-
-def snapshot(out: Path) -> dict[str, bytes] | None:
-    return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()} if out.exists() else None
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

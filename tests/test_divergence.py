@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from sft.cli.main import main
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import pytest
 from sft import rundir
 from sft.cli.main import main
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import EMBEDDED_MODEL, REPO, snapshot
+
 DATA = REPO / "data" / "alpaca_sample.json"
 
 
@@ -20,13 +21,9 @@ def run(*argv: str) -> int:
 
 def recipe(tmp_path: Path, out: Path, dataset: Path = DATA) -> str:
     path = tmp_path / "recipe.yaml"
-    path.write_text(f"model_name_or_path: {REPO / 'data/models/tiny-llama'}\ndataset: {dataset}\noutput_dir: {out}\n"
+    path.write_text(f"model_name_or_path: {EMBEDDED_MODEL}\ndataset: {dataset}\noutput_dir: {out}\n"
                     "max_steps: 1\nmax_length: 128\nreport_to: none\nsave_strategy: 'no'\neval_split_size: 8\n")
     return str(path)
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_user_files_survive_train_with_and_without_overwrite(tmp_path, capsys):

@@ -34,12 +34,11 @@ from sft.errors import SFTError
 from sft.evaluation.predict import Example
 from sft.training.trainer import SFTTrainer
 
-from conftest import REPO
+from conftest import EMBEDDED_MODEL, REPO
 
-EMBEDDED = REPO / "data" / "models" / "tiny-llama"
 # A LoRA chat recipe on the embedded model that uses every proof: packing, accumulation, dropout after the resume
 # point, an adapter to save and merge, generation eval.
-SOUND = dict(model_name_or_path=str(EMBEDDED), dataset=str(REPO / "data" / "chat_sample.jsonl"),
+SOUND = dict(model_name_or_path=str(EMBEDDED_MODEL), dataset=str(REPO / "data" / "chat_sample.jsonl"),
              dataset_format="messages", chat_template="chatml", max_length=128, packing=True, use_peft=True, lora_r=4,
              lora_alpha=8, lora_dropout=0.1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
              predict_with_generate=True, max_new_tokens=4, learning_rate=1e-2, dtype="float32", seed=0)
