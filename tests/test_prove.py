@@ -34,7 +34,7 @@ from sft.errors import SFTError
 from sft.evaluation.predict import Example
 from sft.training.trainer import SFTTrainer
 
-from conftest import EMBEDDED_MODEL, REPO
+from conftest import EMBEDDED_MODEL, FIXTURES, REPO
 
 # A LoRA chat recipe on the embedded model that uses every proof: packing, accumulation, dropout after the resume
 # point, an adapter to save and merge, generation eval.
@@ -297,11 +297,11 @@ def test_mask_proof_passes_a_glm_recipe_end_to_end(tmp_path):
 def test_mask_proof_passes_sharegpt_function_call_rows():
     """ShareGPT `function_call` turns (LLaMA-Factory's glaive tool-call demo) are assistant tool calls, read by the
     proof as sft reads them (sft.data.messages): the template renders them as tool calls and the proof PASSes."""
-    from test_template_masks import SHARED, TEMPLATES
+    from test_template_masks import TEMPLATES
 
-    data = SHARED / "datasets" / "chat" / "llamafactory_glaive_toolcall_en_demo.json"
+    data = FIXTURES / "datasets" / "chat" / "llamafactory_glaive_toolcall_en_demo.json"
     if not TEMPLATES.is_dir() or not data.is_file():
-        pytest.skip(f"shared fixtures (templates, glaive tool-call demo) not found under {SHARED}")
+        pytest.skip(f"shared fixtures (templates, glaive tool-call demo) not found under {FIXTURES}")
     rows = [row for row in json.loads(data.read_text())
             if any(turn["from"] == "function_call" for turn in row["conversations"])][:3]
     for row in rows:
