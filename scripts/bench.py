@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures"
+FIXTURES = Path(os.environ.get("SFT_FIXTURES", REPO.parent / "shared" / "fixtures"))  # as tests/conftest.py
 ALPACA = FIXTURES / "alpaca" / "alpaca_data_1k.json"
 TOKENIZER = FIXTURES / "tokenizers" / "mistral-7b-instruct-v0.3"
 

@@ -6,6 +6,7 @@ Needs ../shared/fixtures (the 1k Alpaca sample and the Mistral-7B-Instruct-v0.3 
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from sft.data.packing import pack_dataset_with_stats  # noqa: E402
 
 datasets.disable_progress_bars()
 
-FIXTURES = REPO.parent / "shared" / "fixtures"
+FIXTURES = Path(os.environ.get("SFT_FIXTURES", REPO.parent / "shared" / "fixtures"))  # as tests/conftest.py
 DATA = FIXTURES / "alpaca" / "alpaca_data_1k.json"
 TOKENIZER = FIXTURES / "tokenizers" / "mistral-7b-instruct-v0.3"
 
