@@ -6,6 +6,7 @@ position_ids (see sft.data.packing and check_packing_supported for where that ho
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DataCollatorWithFlattening
@@ -73,3 +74,28 @@ class PaddingFreeCollator(DataCollatorWithFlattening):
             ids, labels, pos = example_row(feature)
             examples += [{"input_ids": ids[a:b], "labels": labels[a:b]} for a, b in spans(pos)]
         return super().__call__(examples, return_tensors, separator_id)
+
+
+TRAINED_TARGETS = "trained_targets"
+
+
+@dataclass
+class HostCount:
+    """Any collator, plus the batch's count of trained next-token targets (labels[:, 1:] != -100), counted on the
+    host while the labels are still CPU tensors: `trained_targets` = (count, B, T) of those [B, T] targets.
+
+    The chunked loss selects the trained positions with it at a size known in advance; counting them on the GPU
+    would make the host wait for the device on every forward. Plain Python ints ride through accelerate's and the
+    Trainer's device moves untouched.
+    """
+
+    collator: Any
+
+    def __call__(self, features: list[dict]) -> Any:
+        """The collator's batch, with `trained_targets` where it has [B, L] CPU labels."""
+        batch = self.collator(features)
+        labels = batch.get("labels") if hasattr(batch, "get") else None
+        if isinstance(labels, torch.Tensor) and labels.dim() == 2 and labels.device.type == "cpu":
+            targets = labels[:, 1:]
+            batch[TRAINED_TARGETS] = (int((targets != IGNORE_INDEX).sum()), *targets.shape)
+        return batch

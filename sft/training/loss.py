@@ -128,12 +128,29 @@ def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0) -> bool:
     return True
 
 
+def trained_index(keep: torch.Tensor, host_count: tuple[int, ...] | None) -> torch.Tensor:
+    """Flat indices of the True entries of `keep` ([B, T]), in row-major order.
+
+    `host_count` is (count, B, T) as the collator counted on the host (HostCount). With it the output size is
+    known without reading the device (nonzero_static); boolean indexing or nonzero would make the host wait for
+    the GPU on every forward, and their backward once more. Without it (or for another shape, e.g. sequences
+    sharded by context parallelism) this falls back to nonzero.
+    """
+    flat = keep.flatten()
+    if host_count is not None and tuple(host_count[1:]) == tuple(keep.shape) and 0 <= host_count[0] <= flat.numel():
+        return torch.nonzero_static(flat, size=host_count[0]).squeeze(1)
+    return flat.nonzero().squeeze(1)
+
+
 def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: float,
                     labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
-                    full_logits: bool = False, **kwargs: Any) -> Any:
+                    full_logits: bool = False, trained_targets: tuple[int, ...] | None = None,
+                    **kwargs: Any) -> Any:
     """The model's forward; with labels, the decoder plus the head at trained positions only (see module doc).
 
     `full_logits=True` (predictions wanted, e.g. Trainer.predict) runs the model's own forward.
+    `trained_targets`: the host-side count of trained targets (sft.data.collators.HostCount), so that selecting
+    them does not wait for the GPU.
     """
     if labels is None or full_logits:
         if num_items_in_batch is not None:
@@ -148,11 +165,15 @@ def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: 
     chunk = chunk_rows(weight.shape[0])
     normalizer = keep.sum() if num_items_in_batch is None else num_items_in_batch
     normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
+    index = trained_index(keep, trained_targets)
+    # Position t of row b predicts target (b, t): skip each row's last hidden state (it predicts nothing).
+    trained_hidden = hidden.flatten(0, 1).index_select(0, index + index // max(targets.shape[1], 1))
+    trained_targets = targets.flatten().index_select(0, index)
     if torch.is_grad_enabled():
-        loss = LinearCrossEntropy.apply(hidden[:, :-1][keep], weight, targets[keep], normalizer, chunk, smoothing)
+        loss = LinearCrossEntropy.apply(trained_hidden, weight, trained_targets, normalizer, chunk, smoothing)
         return TrainedTokensOutput(loss=loss)
     token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
-    token_losses[keep] = chunked_token_losses(hidden[:, :-1][keep], weight, targets[keep], chunk)
+    token_losses.view(-1).index_copy_(0, index, chunked_token_losses(trained_hidden, weight, trained_targets, chunk))
     return TrainedTokensOutput(loss=token_losses.sum() / normalizer, token_losses=token_losses)
 
 
@@ -241,10 +262,14 @@ class EvalTokenSums:
         targets = labels[:, 1:] if shifted else labels
         trained = targets != IGNORE_INDEX
         rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)
+        n_rows = targets.shape[0]
         if self.split_examples:
             rows = starts(inputs["position_ids"]).cumsum(-1)[:, 1:] - 1  # example of each target token
-        values = torch.stack([token_losses[trained].float(), torch.ones_like(token_losses[trained])], dim=1)
-        sums = torch.zeros(int(rows.max()) + 1, 2, device=values.device).index_add_(0, rows[trained], values)
+            # Gathered sums need one row per example (a sync, beside the gather's own); a local sum only a bound.
+            n_rows = int(rows.max()) + 1 if self.dedup else rows.shape[-1] + 1
+        # Untrained positions add zeros: no boolean selection, whose size would make the host wait for the GPU.
+        values = torch.stack([torch.where(trained, token_losses.float(), 0.0), trained.float()], dim=-1)
+        sums = torch.zeros(n_rows, 2, device=values.device).index_add_(0, rows.flatten(), values.flatten(0, 1))
         if self.dedup:
             sums = self.accelerator.gather_for_metrics(sums)
         self.sums += sums.sum(0).to(self.sums.device)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 from transformers import (
     DataCollatorForSeq2Seq,
     PreTrainedTokenizerBase,
@@ -16,7 +17,7 @@ from transformers import (
     Trainer,
 )
 
-from sft.data.collators import PackedCollator, PaddingFreeCollator
+from sft.data.collators import TRAINED_TARGETS, HostCount, PackedCollator, PaddingFreeCollator
 from sft.data.encode import IGNORE_INDEX
 from sft.evaluation.predict import GenerationEval
 from sft.training import checkpoints
@@ -83,10 +84,30 @@ class SFTMixin:
         with noise, self.stop_on_signal.installed():
             return super().train(*args, **kwargs)
 
+    def _get_dataloader(self, dataset: Any, description: str, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's dataloader; for the chunked loss its collator also counts trained targets on the host
+        (HostCount), so that the loss never waits for the GPU to learn how many there are."""
+        collator = self.data_collator
+        if self._counts_on_host(dataset):
+            self.data_collator = HostCount(collator)
+        try:
+            return super()._get_dataloader(dataset, description, batch_size, *args, **kwargs)
+        finally:
+            self.data_collator = collator
+
+    def _counts_on_host(self, dataset: Any) -> bool:
+        # accelerate dispatches batches of iterable datasets from one process, concatenating tensors only
+        dispatch = self.accelerator.dataloader_config.dispatch_batches
+        dispatched = self.accelerator.num_processes > 1 and (
+            dispatch or (dispatch is None and isinstance(dataset, IterableDataset)))
+        return self.token_loss.chunked and self.data_collator is not None and not dispatched
+
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         """The Trainer's loss (for plain-head causal LMs the model's chunked forward computes it); seq2seq training:
         token-normalised; eval: also accumulate per-row token sums for the exact eval loss."""
+        if TRAINED_TARGETS in inputs and not self.token_loss.chunked:  # only the chunked forward takes it
+            inputs = {k: v for k, v in inputs.items() if k != TRAINED_TARGETS}
         if model.training and not return_outputs and self._seq2seq_loss_applies(model, inputs):
             across = self.args.average_tokens_across_devices and num_items_in_batch is not None
             return self.token_loss.seq2seq(model, inputs, num_items_in_batch,
