@@ -42,6 +42,12 @@ def spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def token_lengths(position_ids: torch.Tensor) -> torch.Tensor:
-    """For each token of a [B, T] batch, the length of the example it belongs to."""
+    """For each token of a [B, T] batch, the length of the example it belongs to.
+
+    Counted into a buffer of one slot per token (there are never more examples than tokens), not with bincount,
+    whose output size depends on the data: on a GPU that makes the host wait for the device (NEFTune runs this on
+    every training micro-step).
+    """
     example = torch.cumsum(starts(position_ids).flatten(), 0) - 1  # one id per example across the batch
-    return torch.bincount(example)[example].view_as(position_ids)
+    counts = torch.zeros_like(example).index_add_(0, example, torch.ones_like(example))
+    return counts[example].view_as(position_ids)
