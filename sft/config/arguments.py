@@ -73,6 +73,10 @@ class SFTConfig(Seq2SeqTrainingArguments):
                          "error.", "split", choices=HISTORY)
     dataset_num_proc: int | None = _help("Processes for tokenization (datasets.map num_proc).")
     dataloader_pin_memory: bool = _help("Pin dataloader memory (only useful with a GPU).", torch.cuda.is_available())
+    logging_nan_inf_filter: bool = _help("Replace NaN/inf losses in the logs by the running mean. Off: it reads every "
+                                         "micro-step's loss on the host (a GPU sync per micro-step), and training "
+                                         "stops at the first non-finite loss anyway (a diverged step is an error).",
+                                         False)
     overwrite_output_dir: bool = _help("Replace an earlier sft run in output_dir (only the files sft wrote) "
                                        "instead of refusing.", False)
 

@@ -21,6 +21,17 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint
 
 
+def host_values(*values: torch.Tensor | float) -> list[float]:
+    """The scalars as Python floats, device tensors read in one transfer (one wait for the device)."""
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    if device is None:
+        return [float(v) for v in values]
+    # torch.full, not torch.tensor: a host-to-device copy of a Python number would wait for the device too.
+    stacked = torch.stack([v.detach().float().reshape(()).to(device) if isinstance(v, torch.Tensor)
+                           else torch.full((), float(v), device=device) for v in values])
+    return stacked.tolist()
+
+
 class DivergenceGuard(TrainerCallback):
     """Stops at the first optimizer step whose loss or gradient norm is not finite."""
 
@@ -32,8 +43,12 @@ class DivergenceGuard(TrainerCallback):
         self.bad: tuple[int, str] | None = None  # (step, what was not finite)
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        """One micro-batch's loss (already scaled for gradient accumulation); the step's loss is their sum."""
-        self._step_loss += float(loss)  # the Trainer already syncs on each loss for its NaN filter
+        """One micro-batch's loss (already scaled for gradient accumulation); the step's loss is their sum.
+
+        The sum stays on the loss's device: reading it here would make the host wait for the GPU on every
+        micro-step. on_step_end reads it, with the gradient norm, once per optimizer step.
+        """
+        self._step_loss = self._step_loss + loss.detach()
 
     def add_grad_norm(self, norm: torch.Tensor | float | None, fp16: bool) -> None:
         """The step's gradient norm as the Trainer computed it (SFTMixin._get_grad_norm): before clipping, through
@@ -44,8 +59,10 @@ class DivergenceGuard(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
-        loss, self._step_loss = self._step_loss, 0.0
-        norm, self._grad_norm = float(self._grad_norm), 0.0
+        """Read the step's loss and gradient norm: sft's one wait for the GPU per optimizer step (the decision to
+        stop, and not to save, needs their values before the next step starts)."""
+        loss, norm = host_values(self._step_loss, self._grad_norm)
+        self._step_loss, self._grad_norm = 0.0, 0.0
         finite = math.isfinite(loss) and math.isfinite(norm)
         if finite and control.should_save:  # belt and braces: never save weights that are not finite
             finite = all(bool(torch.isfinite(p).all()) for p in kwargs["model"].parameters())
