@@ -1,0 +1,188 @@
+"""The training step never makes the host wait for the GPU: no device-to-host sync per micro-step (issue 19).
+
+tests/sync_probe.py marks the parameters and batches as device tensors and records every op on them that would
+sync on a GPU. A run of 2 optimizer steps x 4 accumulated micro-steps, logging_steps beyond the run, may sync:
+- once per optimizer step, in sft: DivergenceGuard reads the step's loss and gradient norm (host_values);
+- once per run, in the Trainer: its loss accumulator is created from a Python number and read at the end;
+- once per forward of a packed / padding-free batch, in transformers: create_causal_mask checks whether the
+  position_ids hold more than one sequence (masking_utils.find_packed_sequence_indices; skipped under
+  torch.compile). sft cannot remove it without replacing transformers' mask code.
+Nothing else: the chunked loss selects trained positions at a size the collator counted on the host.
+"""
+
+import datasets
+import pytest
+import torch
+from sync_probe import ProbedTrainer, SyncDetector
+
+from sft import SFTConfig
+from sft.data.boundaries import token_lengths
+from sft.data.collators import TRAINED_TARGETS, HostCount, PackedCollator, PaddingFreeCollator
+from sft.data.packing import pack_dataset
+from sft.training import loss as loss_module
+from sft.training.loss import LinearCrossEntropy, attach_chunked_loss
+
+from conftest import make_llama
+
+OPTIMIZER_STEPS, ACCUMULATION = 2, 4
+PER_RUN = {("host-to-device copy", "transformers/trainer.py", "_inner_training_loop"): 1,  # _tr_loss = tensor(0.)
+           ("item", "transformers/trainer.py", "_finalize_training"): 1}  # the train loss, once
+PER_OPTIMIZER_STEP = ("tolist", "sft/training/divergence.py", "host_values")
+PACKED_MASK = ("item", "transformers/masking_utils.py", "find_packed_sequence_indices")
+
+
+def sft_data(n: int = 32, seed: int = 0) -> datasets.Dataset:
+    """Examples of 6-29 tokens with 1..L-1 trained (prompt masked)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(6, 30, (1,), generator=g))
+        trained = int(torch.randint(1, length, (1,), generator=g))
+        ids = torch.randint(5, 300, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * (length - trained) + ids[length - trained:]})
+    return datasets.Dataset.from_list(rows)
+
+
+def probed_run(tmp_path, tokenizer, evaluate: bool = False, **config) -> tuple[SyncDetector, ProbedTrainer]:
+    """Train OPTIMIZER_STEPS steps of ACCUMULATION micro-batches (and evaluate) under the sync detector."""
+    data = sft_data()
+    if config.get("packing"):
+        data = pack_dataset(sft_data(96), 64)  # 26 rows: 13 micro-batches
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=4,
+                     gradient_accumulation_steps=ACCUMULATION, max_steps=OPTIMIZER_STEPS, logging_steps=100,
+                     report_to="none", save_strategy="no", dataloader_drop_last=True, **config)
+    model = make_llama(len(tokenizer), seed=1)
+    trainer = ProbedTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=data,
+                            eval_dataset=data.select(range(8)) if evaluate else None)
+    trainer.detector = detector = SyncDetector()
+    detector.mark(list(model.parameters()))
+    with detector:
+        trainer.train()
+        if evaluate:
+            trainer.evaluate()
+    return detector, trainer
+
+
+CONFIGS = {
+    "padded": {},
+    "padded, no chunked loss": {"chunked_loss": False},
+    "packed": {"packing": True},
+    "padding-free": {"padding_free": True},
+    "packed + padding-free": {"packing": True, "padding_free": True},
+    "packed, no chunked loss": {"packing": True, "chunked_loss": False},
+    "packed + NEFTune": {"packing": True, "neftune_noise_alpha": 5.0},
+    "padded + NEFTune": {"neftune_noise_alpha": 5.0},
+    "label smoothing": {"label_smoothing_factor": 0.1},
+    "label smoothing, no chunked loss": {"label_smoothing_factor": 0.1, "chunked_loss": False},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_no_sync_per_micro_step(tmp_path, tokenizer, name):
+    config = CONFIGS[name]
+    detector, trainer = probed_run(tmp_path, tokenizer, **config)
+    assert trainer.micro_steps == OPTIMIZER_STEPS * ACCUMULATION
+    flattened = config.get("packing") or config.get("padding_free")
+    expected = {**PER_RUN, PER_OPTIMIZER_STEP: OPTIMIZER_STEPS}
+    if flattened:
+        expected[PACKED_MASK] = trainer.micro_steps  # transformers', one per forward (module doc)
+    assert dict(detector.sources()) == expected, "\n".join(map(str, detector.syncs))
+
+
+@pytest.mark.parametrize("config", [{}, {"packing": True}, {"padding_free": True}], ids=["padded", "packed",
+                                                                                          "padding-free"])
+def test_eval_loss_adds_no_sync_per_batch(tmp_path, tokenizer, config):
+    """Evaluation reads the exact eval loss once (EvalTokenSums.mean) and the Trainer its losses once."""
+    detector, _ = probed_run(tmp_path, tokenizer, evaluate=True, **config)
+    train_syncs = sum(1 for s in detector.syncs if s.source[1] != "transformers/masking_utils.py")
+    evaluation = [s for s in detector.syncs if any(f[2] == "evaluate" for f in s.frames)]
+    sources = {s.source for s in evaluation} - {PACKED_MASK}
+    assert sources == {("item", "sft/training/loss.py", "mean"),  # one read of the two sums, twice
+                       ("cpu", "transformers/trainer_pt_utils.py", "nested_numpify"),
+                       ("numpy", "transformers/trainer_pt_utils.py", "nested_numpify")}, sources
+    assert sum(1 for s in evaluation if s.source in sources) == 4
+    assert train_syncs - 4 == sum(PER_RUN.values()) + OPTIMIZER_STEPS
+
+
+def test_negative_control_an_item_in_the_loss_path_is_caught(tmp_path, tokenizer, monkeypatch):
+    original = loss_module.chunked_forward
+
+    def forward_that_reads(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out.loss.item()
+        return out
+
+    monkeypatch.setattr(loss_module, "chunked_forward", forward_that_reads)
+    detector, trainer = probed_run(tmp_path, tokenizer, packing=True)
+    injected = [s for s in detector.syncs if s.source == ("item", "tests/test_host_syncs.py", "forward_that_reads")]
+    assert len(injected) == trainer.micro_steps
+    assert all(s.sft_site.startswith("sft/training/loss.py:") for s in injected)  # reached through sft's forward
+
+
+def test_negative_control_without_host_counts_the_chunked_loss_syncs(tmp_path, tokenizer, monkeypatch):
+    """The count HostCount adds is what keeps the trained-position selection off the host."""
+    monkeypatch.setattr(HostCount, "__call__", lambda self, features: self.collator(features))
+    detector, trainer = probed_run(tmp_path, tokenizer, packing=True)
+    selections = [s for s in detector.syncs if s.source == ("nonzero", "sft/training/loss.py", "trained_index")]
+    assert len(selections) == trainer.micro_steps
+
+
+def chunked_loss_and_grads(tokenizer, batch: dict, host_count: bool, reference: bool = False):
+    model = make_llama(len(tokenizer), seed=2)
+    assert attach_chunked_loss(model, 0.1)
+    inputs = {k: v for k, v in batch.items() if k != TRAINED_TARGETS or host_count}
+    if reference:  # the boolean-index selection this replaced, over the same decoder output
+        hidden = model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                     use_cache=False).last_hidden_state
+        targets = batch["labels"][:, 1:]
+        keep = targets != -100
+        chunk = loss_module.chunk_rows(model.lm_head.weight.shape[0])
+        loss = LinearCrossEntropy.apply(hidden[:, :-1][keep], model.lm_head.weight, targets[keep],
+                                        keep.sum().float().clamp(min=1), chunk, 0.1)
+    else:
+        loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def test_selection_by_host_count_gives_bit_identical_loss_and_gradients(tokenizer):
+    rows = pack_dataset(sft_data(12), 64)
+    batch = HostCount(PackedCollator(tokenizer.pad_token_id))(list(rows))
+    assert batch[TRAINED_TARGETS] == (int((batch["labels"][:, 1:] != -100).sum()), *batch["labels"][:, 1:].shape)
+    loss, grads = chunked_loss_and_grads(tokenizer, batch, host_count=True)
+    for other in (chunked_loss_and_grads(tokenizer, batch, host_count=False),
+                  chunked_loss_and_grads(tokenizer, batch, host_count=False, reference=True)):
+        assert torch.equal(loss, other[0])
+        assert all(torch.equal(grads[k], other[1][k]) for k in grads)
+    assert loss > 0 and grads["lm_head.weight"].abs().sum() > 0
+
+
+def test_a_count_for_another_shape_is_not_used(tokenizer):
+    """Context parallelism shards sequences after collation: the count no longer describes them."""
+    rows = pack_dataset(sft_data(12), 64)
+    batch = HostCount(PackedCollator(tokenizer.pad_token_id))(list(rows))
+    keep = batch["labels"][:, 1:] != -100
+    wrong = (int(keep.sum()) - 1, *keep.shape)
+    assert loss_module.trained_index(keep, wrong).numel() == int(keep.sum()) - 1  # a wrong count would be used
+    sharded = keep[:, : keep.shape[1] // 2]
+    assert torch.equal(loss_module.trained_index(sharded, (int(keep.sum()), *keep.shape)),
+                       sharded.flatten().nonzero().squeeze(1))
+
+
+def test_host_count_leaves_the_collators_batch_unchanged(tokenizer):
+    rows = list(pack_dataset(sft_data(12), 64))
+    for collator in (PackedCollator(tokenizer.pad_token_id), PaddingFreeCollator()):
+        plain, counted = collator(rows), HostCount(collator)(rows)
+        assert counted.pop(TRAINED_TARGETS)[0] == int((plain["labels"][:, 1:] != -100).sum())
+        assert plain.keys() == counted.keys()
+        assert all(torch.equal(plain[k], counted[k]) if isinstance(plain[k], torch.Tensor) else plain[k] == counted[k]
+                   for k in plain)
+
+
+def test_token_lengths_match_bincount():
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3], [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]])
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    ids = torch.cumsum(starts.flatten(), 0) - 1
+    assert torch.equal(token_lengths(position_ids), torch.bincount(ids)[ids].view_as(position_ids))
+    assert token_lengths(position_ids)[0].tolist() == [3, 3, 3, 2, 2, 1, 4, 4, 4, 4]
