@@ -19,10 +19,18 @@ def positions(lengths: np.ndarray) -> np.ndarray:
     return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
 
 
+def long_tensor(values: object) -> torch.Tensor:
+    """A new int64 tensor of `values` (a list, numpy array or tensor), through numpy: torch.tensor on a Python list
+    of 2048 ints takes ~0.1 ms, numpy ~0.03 ms, and collators convert three lists per row on every batch."""
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.long, copy=True)
+    return torch.from_numpy(np.array(values, dtype=np.int64))
+
+
 def row_positions(feature: dict, n_tokens: int) -> torch.Tensor:
     """position_ids of one dataset row: its own, else from its seq_lengths, else the row is one example."""
     if feature.get("position_ids") is not None:  # Trainer may drop seq_lengths (remove_unused_columns)
-        return torch.as_tensor(feature["position_ids"], dtype=torch.long)
+        return long_tensor(feature["position_ids"])
     if feature.get("seq_lengths") is not None:
         return torch.from_numpy(positions(feature["seq_lengths"]))
     return torch.arange(n_tokens, dtype=torch.long)

@@ -11,15 +11,15 @@ from typing import Any
 import torch
 from transformers import DataCollatorWithFlattening
 
-from sft.data.boundaries import row_positions, spans, starts
+from sft.data.boundaries import long_tensor, row_positions, spans, starts
 from sft.data.encode import IGNORE_INDEX
 
 
 def example_row(feature: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids, labels and position_ids of one (packed or plain) row; example starts get label -100."""
-    ids = torch.as_tensor(feature["input_ids"], dtype=torch.long)
+    ids = long_tensor(feature["input_ids"])
     labels = feature.get("labels")
-    labels = ids.clone() if labels is None else torch.tensor(labels, dtype=torch.long)  # a copy: we edit it
+    labels = ids.clone() if labels is None else long_tensor(labels)  # a copy: we edit it
     pos = row_positions(feature, ids.numel())
     if not ids.numel() == labels.numel() == pos.numel():
         raise ValueError(f"row lengths disagree: input_ids {ids.numel()}, labels {labels.numel()}, "
@@ -68,12 +68,37 @@ class PaddingFreeCollator(DataCollatorWithFlattening):
 
     def __call__(self, features: list[dict], return_tensors: str | None = None,
                  separator_id: int | None = None) -> dict[str, torch.Tensor | int]:
-        """Collate rows into one flattened row (plus flash-attention boundary kwargs)."""
-        examples = []
-        for feature in features:
-            ids, labels, pos = example_row(feature)
-            examples += [{"input_ids": ids[a:b], "labels": labels[a:b]} for a, b in spans(pos)]
-        return super().__call__(examples, return_tensors, separator_id)
+        """Collate rows into one flattened row (plus flash-attention boundary kwargs).
+
+        For PyTorch tensors the batch is built with tensor ops, not the library's per-token Python lists (about 2.5x
+        faster on 8 rows of 2048 tokens, scripts/bench_collate.py); its output is byte-identical to
+        DataCollatorWithFlattening's on the same examples (tests/test_padding_free_collator.py).
+        """
+        rows = [example_row(feature) for feature in features]
+        if (return_tensors or self.return_tensors) != "pt":
+            examples = [{"input_ids": ids[a:b], "labels": labels[a:b]} for ids, labels, pos in rows
+                        for a, b in spans(pos)]
+            return super().__call__(examples, return_tensors, separator_id)
+        return self._flatten(rows, self.separator_id if separator_id is None else separator_id)
+
+    def _flatten(self, rows: list[tuple[torch.Tensor, ...]], separator_id: int) -> dict[str, torch.Tensor | int]:
+        ids = torch.cat([r[0] for r in rows]) if rows else torch.zeros(0, dtype=torch.long)
+        labels = torch.cat([r[1] for r in rows]) if rows else ids.clone()
+        first = torch.cat([starts(r[2]) for r in rows]) if rows else ids.bool()  # each example's first token
+        labels[first] = separator_id
+        bounds = first.nonzero().flatten()
+        lengths = torch.diff(bounds, append=torch.tensor([ids.numel()]))
+        batch = {"input_ids": ids[None], "labels": labels[None]}
+        if self.return_position_ids:
+            offsets = torch.repeat_interleave(bounds, lengths)
+            batch["position_ids"] = (torch.arange(ids.numel()) - offsets + self.position_ids_start)[None]
+        if self.return_seq_idx:
+            batch["seq_idx"] = torch.repeat_interleave(torch.arange(len(bounds), dtype=torch.int32), lengths)[None]
+        if self.return_flash_attn_kwargs:
+            cu_seq_lens = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+            batch["cu_seq_lens_q"], batch["cu_seq_lens_k"] = cu_seq_lens, cu_seq_lens.clone()
+            batch["max_length_q"] = batch["max_length_k"] = int(lengths.max()) if lengths.numel() else 0
+        return batch
 
 
 TRAINED_TARGETS = "trained_targets"
