@@ -1,0 +1,121 @@
+"""Host time per training batch for the issue-19 job shape: fetching 8 packed rows of 2048 tokens from the dataset
+and collating them (PackedCollator, PaddingFreeCollator, each also under HostCount as SFTTrainer runs them).
+
+With dataloader_num_workers 0 this runs in the training process between steps, while the GPU waits for the next
+batch; compare the numbers with the step time (a 0.5B full fine-tune step of 8x2048 tokens on an H100 is roughly
+0.3-0.5 s).
+
+Usage: python scripts/bench_collate.py [--rows 8] [--max_length 2048] [--repeats 30]
+Needs ../shared/fixtures (the 1k Alpaca sample and the Qwen2.5 tokenizer folder).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import datasets
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sft.data.collators import HostCount, PackedCollator, PaddingFreeCollator
+from sft.data.encode import Encoding
+from sft.data.formats import render_alpaca
+from sft.data.packing import pack_dataset
+
+datasets.disable_progress_bars()
+
+FIXTURES = REPO.parent / "shared" / "fixtures"
+DATA = FIXTURES / "alpaca" / "alpaca_data_1k.json"
+TOKENIZER = FIXTURES / "tokenizers" / "qwen2.5-coder-3b-instruct"
+
+
+def packed_rows(max_length: int) -> datasets.Dataset:
+    """The 1k Alpaca rows (x4), rendered with the Stanford templates, tokenized with completion-only labels and
+    packed into rows of max_length; the columns the Trainer keeps (seq_lengths is not a forward argument)."""
+    from transformers import AutoTokenizer
+
+    records = json.loads(DATA.read_text(encoding="utf-8")) * 4
+    rendered = [render_alpaca(r, str(DATA), i, completion_only=True) for i, r in enumerate(records)]
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    enc = Encoding(tokenizer, max_length=max_length).encode(rendered)
+    tokenized = datasets.Dataset.from_dict({"input_ids": enc["input_ids"], "labels": enc["labels"]})
+    return pack_dataset(tokenized, max_length).remove_columns("seq_lengths"), tokenizer.pad_token_id
+
+
+def per_call_ms(fn, batches: list, repeats: int) -> tuple[float, float]:
+    """(median, min) milliseconds of fn(batch) over repeats passes through the batches."""
+    times = []
+    for _ in range(repeats):
+        for batch in batches:
+            start = time.perf_counter()
+            fn(batch)
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), min(times)
+
+
+def busy(seconds: float) -> None:
+    """Keep this core busy (a training process launching kernels), unlike sleep, which lets the CPU clock down."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def next_ms(ds: datasets.Dataset, collator, rows: int, workers: int, step_s: float, batches: int) -> float:
+    """Median milliseconds the training process waits in next() for a batch from a DataLoader with `workers`
+    worker processes, while a simulated GPU step of step_s seconds runs between batches."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(ds, batch_size=rows, collate_fn=collator, num_workers=workers,
+                        persistent_workers=workers > 0, shuffle=True)
+    waits = []
+    for _ in range(2):  # the second epoch shows persistent workers (no restart)
+        it = iter(loader)
+        for _ in range(min(batches, len(loader))):
+            start = time.perf_counter()
+            next(it)
+            waits.append((time.perf_counter() - start) * 1e3)
+            busy(step_s)
+    return statistics.median(waits[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=8, help="packed rows per batch")
+    parser.add_argument("--max_length", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--step_s", type=float, default=0.05, help="simulated GPU step between batches (DataLoader)")
+    args = parser.parse_args()
+    ds, pad_id = packed_rows(args.max_length)
+    starts = range(0, len(ds) - args.rows + 1, args.rows)
+    index_batches = [list(range(s, s + args.rows)) for s in starts]
+    feature_batches = [ds.__getitems__(idx) for idx in index_batches]
+    tokens = sum(len(f["input_ids"]) for f in feature_batches[0])
+    print(f"{len(ds)} packed rows of <= {args.max_length} tokens; batches of {args.rows} rows "
+          f"({tokens} tokens in the first); {len(index_batches)} batches x {args.repeats} repeats")
+    print(f"{'step':44s} {'median ms':>10s} {'min ms':>8s}")
+    median, best = per_call_ms(ds.__getitems__, index_batches, args.repeats)
+    print(f"{'fetch rows (Dataset.__getitems__)':44s} {median:10.2f} {best:8.2f}")
+    collators = {
+        "PackedCollator": PackedCollator(pad_id),
+        "HostCount(PackedCollator)": HostCount(PackedCollator(pad_id)),
+        "PaddingFreeCollator": PaddingFreeCollator(),
+        "HostCount(PaddingFreeCollator)": HostCount(PaddingFreeCollator()),
+    }
+    for name, collator in collators.items():
+        median, best = per_call_ms(collator, feature_batches, args.repeats)
+        print(f"{'collate ' + name:44s} {median:10.2f} {best:8.2f}")
+    print(f"DataLoader, fetch + collate, {args.step_s * 1e3:.0f} ms of simulated GPU work between batches: "
+          "median ms the training process waits in next()")
+    for name in ("PackedCollator", "PaddingFreeCollator"):
+        collator = HostCount(PackedCollator(pad_id) if name == "PackedCollator" else PaddingFreeCollator())
+        for workers in (0, 1, 2):
+            wait = next_ms(ds, collator, args.rows, workers, args.step_s, batches=12)
+            print(f"{f'  HostCount({name}), num_workers={workers}':44s} {wait:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
