@@ -10,12 +10,14 @@ sync on a GPU. A run of 2 optimizer steps x 4 accumulated micro-steps, logging_s
 Nothing else: the chunked loss selects trained positions at a size the collator counted on the host.
 """
 
+import warnings
+
 import datasets
 import pytest
 import torch
 from sync_probe import ProbedTrainer, SyncDetector
 
-from sft import SFTConfig
+from sft import SFTConfig, SFTTrainer
 from sft.data.boundaries import token_lengths
 from sft.data.collators import TRAINED_TARGETS, HostCount, PackedCollator, PaddingFreeCollator
 from sft.data.packing import pack_dataset
@@ -186,3 +188,48 @@ def test_token_lengths_match_bincount():
     ids = torch.cumsum(starts.flatten(), 0) - 1
     assert torch.equal(token_lengths(position_ids), torch.bincount(ids)[ids].view_as(position_ids))
     assert token_lengths(position_ids)[0].tolist() == [3, 3, 3, 2, 2, 1, 4, 4, 4, 4]
+
+
+def test_config_defaults_that_keep_the_host_off_the_gpu(tmp_path):
+    args = SFTConfig(output_dir=str(tmp_path), report_to="none")
+    assert args.logging_nan_inf_filter is False  # the Trainer's filter reads every micro-step's loss
+    cuda = torch.cuda.is_available()
+    assert (args.dataloader_num_workers, args.dataloader_persistent_workers) == ((2, True) if cuda else (0, False))
+    no_workers = SFTConfig(output_dir=str(tmp_path), report_to="none", dataloader_num_workers=0,
+                           dataloader_persistent_workers=True)
+    assert no_workers.dataloader_persistent_workers is False  # torch refuses persistent workers without workers
+
+
+class SyncCountingTrainer(SFTTrainer):
+    """Counts the synchronising CUDA calls inside each training step with torch.cuda's sync debug mode."""
+
+    def training_step(self, *args, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return super().training_step(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                self.step_syncs.append([str(w.message) for w in caught if "synchroniz" in str(w.message)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", [{}, {"packing": True, "neftune_noise_alpha": 5.0}, {"padding_free": True}],
+                         ids=["padded", "packed+neftune", "padding-free"])
+def test_training_steps_do_not_synchronise_on_gpu(tmp_path, tokenizer, config):
+    """The CPU probe's claim on a real GPU: a training step (forward, chunked loss, backward) makes no
+    synchronising CUDA call, except transformers' packed-mask check (one per forward) for packed batches."""
+    data = pack_dataset(sft_data(96), 64) if config.get("packing") else sft_data()
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=ACCUMULATION,
+                     max_steps=OPTIMIZER_STEPS, logging_steps=100, report_to="none", save_strategy="no",
+                     dataloader_num_workers=0, **config)
+    trainer = SyncCountingTrainer(model=make_llama(len(tokenizer), seed=1), args=args, processing_class=tokenizer,
+                                  train_dataset=data)
+    trainer.step_syncs = []
+    trainer.train()
+    assert len(trainer.step_syncs) == OPTIMIZER_STEPS * ACCUMULATION
+    flattened = config.get("packing") or config.get("padding_free")
+    assert [len(s) for s in trainer.step_syncs] == [1 if flattened else 0] * len(trainer.step_syncs), \
+        trainer.step_syncs
