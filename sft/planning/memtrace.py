@@ -173,8 +173,9 @@ def chunked_applies(model: nn.Module, config: SFTConfig) -> bool:
 
 
 def trained_rows(hidden: torch.Tensor) -> torch.Tensor:
-    """chunked_forward's `hidden[:, :-1][keep]` with every position trained. The boolean mask gives a
-    data-dependent shape fake tensors cannot follow; this slice is the same rows, copied as the mask copies them."""
+    """chunked_forward's trained rows (index_select at the trained positions) with every position trained. The
+    trained positions' count is data a fake tensor does not hold; this slice is the same rows, copied as
+    index_select copies them."""
     return hidden[:, :-1].clone(memory_format=torch.contiguous_format).flatten(0, 1)
 
 

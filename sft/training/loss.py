@@ -167,13 +167,13 @@ def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: 
     normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
     index = trained_index(keep, trained_targets)
     # Position t of row b predicts target (b, t): skip each row's last hidden state (it predicts nothing).
-    trained_hidden = hidden.flatten(0, 1).index_select(0, index + index // max(targets.shape[1], 1))
-    trained_targets = targets.flatten().index_select(0, index)
+    picked_hidden = hidden.flatten(0, 1).index_select(0, index + index // max(targets.shape[1], 1))
+    picked_targets = targets.flatten().index_select(0, index)
     if torch.is_grad_enabled():
-        loss = LinearCrossEntropy.apply(trained_hidden, weight, trained_targets, normalizer, chunk, smoothing)
+        loss = LinearCrossEntropy.apply(picked_hidden, weight, picked_targets, normalizer, chunk, smoothing)
         return TrainedTokensOutput(loss=loss)
     token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
-    token_losses.view(-1).index_copy_(0, index, chunked_token_losses(trained_hidden, weight, trained_targets, chunk))
+    token_losses.view(-1).index_copy_(0, index, chunked_token_losses(picked_hidden, weight, picked_targets, chunk))
     return TrainedTokensOutput(loss=token_losses.sum() / normalizer, token_losses=token_losses)
 
 
