@@ -6,11 +6,13 @@ batch; compare the numbers with the step time (a 0.5B full fine-tune step of 8x2
 0.3-0.5 s).
 
 Usage: python scripts/bench_collate.py [--rows 8] [--max_length 2048] [--repeats 30]
-Needs ../shared/fixtures (the 1k Alpaca sample and the Qwen2.5 tokenizer folder).
+Needs ../shared/fixtures or $SFT_FIXTURES (the 1k Alpaca sample and the Qwen2.5 tokenizer folder; both are in
+scripts/gpu_carry.py's .gpu/fixtures).
 """
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -30,7 +32,7 @@ from sft.data.packing import pack_dataset
 
 datasets.disable_progress_bars()
 
-FIXTURES = REPO.parent / "shared" / "fixtures"
+FIXTURES = Path(os.environ.get("SFT_FIXTURES", REPO.parent / "shared" / "fixtures"))  # as tests/conftest.py
 DATA = FIXTURES / "alpaca" / "alpaca_data_1k.json"
 TOKENIZER = FIXTURES / "tokenizers" / "qwen2.5-coder-3b-instruct"
 
