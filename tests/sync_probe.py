@@ -16,13 +16,13 @@ called during training.
 
 import traceback
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from sft import SFTTrainer
@@ -107,15 +107,13 @@ class SyncDetector:
     marked: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
     def mark(self, *trees: object) -> None:
-        """Mark every tensor in `trees` (dicts, lists, tensors) as living on the device."""
-        for tree in trees:
-            for leaf in tree_flatten(tree)[0]:
-                if isinstance(leaf, torch.Tensor):
-                    self.marked[leaf] = True
+        """Mark every tensor in `trees` (mappings such as BatchEncoding, lists, tensors) as living on the device."""
+        for leaf in _tensors(trees):
+            self.marked[leaf] = True
 
     def is_marked(self, tree: object) -> bool:
         """Whether any tensor in `tree` is marked."""
-        return any(isinstance(t, torch.Tensor) and t in self.marked for t in tree_flatten(tree)[0])
+        return any(t in self.marked for t in _tensors(tree))
 
     def record(self, op: str) -> None:
         """Record one sync at the current Python stack."""
@@ -140,6 +138,17 @@ class SyncDetector:
     def sources(self) -> Counter:
         """Syncs per (op, file, function) where they are written."""
         return Counter(s.source for s in self.syncs)
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    """The tensors in a tree of mappings (BatchEncoding is one, but no pytree node), lists and tuples."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, Mapping):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors(item)]
+    return []
 
 
 class _Dispatch(TorchDispatchMode):
