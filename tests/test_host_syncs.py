@@ -201,11 +201,7 @@ def test_token_lengths_match_bincount():
 def test_config_defaults_that_keep_the_host_off_the_gpu(tmp_path):
     args = SFTConfig(output_dir=str(tmp_path), report_to="none")
     assert args.logging_nan_inf_filter is False  # the Trainer's filter reads every micro-step's loss
-    cuda = torch.cuda.is_available()
-    assert (args.dataloader_num_workers, args.dataloader_persistent_workers) == ((2, True) if cuda else (0, False))
-    no_workers = SFTConfig(output_dir=str(tmp_path), report_to="none", dataloader_num_workers=0,
-                           dataloader_persistent_workers=True)
-    assert no_workers.dataloader_persistent_workers is False  # torch refuses persistent workers without workers
+    assert args.dataloader_num_workers == 0  # scripts/bench_collate.py: workers save ~1 ms per 8x2048 batch
 
 
 class SyncCountingTrainer(SFTTrainer):

@@ -73,15 +73,11 @@ class SFTConfig(Seq2SeqTrainingArguments):
                          "error.", "split", choices=HISTORY)
     dataset_num_proc: int | None = _help("Processes for tokenization (datasets.map num_proc).")
     dataloader_pin_memory: bool = _help("Pin dataloader memory (only useful with a GPU).", torch.cuda.is_available())
-    # scripts/bench_collate.py: fetching + collating 8 packed rows of 2048 tokens takes ~2-4 ms of the training
-    # process (~1% of a 0.3-0.5 s H100 step), and the GPU waits for it at every optimizer step (accelerate's
-    # blocking batch copy and DivergenceGuard's read); workers prepare the batches meanwhile.
-    dataloader_num_workers: int = _help("Processes that fetch and collate batches while the GPU trains (default: 2 "
-                                        "with a CUDA GPU, 0 otherwise: batches are then built between steps).",
-                                        2 if torch.cuda.is_available() else 0)
-    dataloader_persistent_workers: bool = _help("Keep dataloader workers alive between epochs and evaluations "
-                                                "(default: with a CUDA GPU; needs dataloader_num_workers > 0).",
-                                                torch.cuda.is_available())
+    dataloader_num_workers: int = _help(
+        "Processes that fetch and collate batches beside training (0: between steps, in the training process). sft's "
+        "collators take ~1.3 ms for 8 packed rows of 2048 tokens and fetching them ~0.9 ms (scripts/bench_collate.py),"
+        " under 1% of a GPU step; a worker saves only ~1 ms of that, as receiving its batch costs ~2 ms. Worth it for "
+        "slow custom collators.", 0)
     logging_nan_inf_filter: bool = _help("Replace NaN/inf losses in the logs by the running mean. Off: it reads every "
                                          "micro-step's loss on the host (a GPU sync per micro-step), and training "
                                          "stops at the first non-finite loss anyway (a diverged step is an error).",
@@ -150,8 +146,6 @@ class SFTConfig(Seq2SeqTrainingArguments):
             # transformers trains on CPU here anyway, but only use_cpu tells accelerate so: with it a torchrun /
             # `sft launch` of N processes is gloo data-parallel (not N independent runs) and bf16 is CPU autocast.
             self.use_cpu = self.cpu_by_default = True
-        if not self.dataloader_num_workers:  # torch refuses persistent workers without workers
-            self.dataloader_persistent_workers = False
         deferred = {name: getattr(self, name) for name in GPU_ONLY_FLAGS if getattr(self, name) and not
                     _supported(name, self.use_cpu)}
         for name in deferred:  # let TrainingArguments validate (and resolve) the rest on any machine
