@@ -32,7 +32,7 @@ MODELS = {  # name: (key of sft's architecture table, tokenizer fixture)
 }
 # The CPU check's shape: the Qwen2.5 family shrunk (the real tokenizer's vocabulary is kept).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-TOOLS = ("sft", "trl", "plain")
+TOOLS = ("sft", "trl", "plain", "sft_syncs")
 WARMUP = 2
 # The adapter and 4-bit settings of the shipped 8B recipes (recipes/llama-3.1-8b-instruct/{lora,qlora}.yaml).
 LORA = dict(r=16, alpha=32, dropout=0.05)
@@ -113,8 +113,8 @@ def clock_callback(spec: dict, record: dict):
 
 
 def example_lengths(inputs: dict) -> list[int]:
-    """Example lengths in one micro-batch: runs of restarting position ids (packed or padding-free rows), else the
-    unpadded rows. Host tensors (the Trainer moves them later), so no GPU sync."""
+    """Example lengths in one micro-batch (host tensors): runs of restarting position ids (packed or padding-free
+    rows), else the unpadded rows."""
     from sft.data.boundaries import spans
 
     mask, pos = inputs.get("attention_mask"), inputs.get("position_ids")
@@ -125,16 +125,23 @@ def example_lengths(inputs: dict) -> list[int]:
 
 
 def count_batches(trainer, record: dict) -> None:
-    """Record tokens, trained tokens and causal query-key pairs of every micro-batch the trainer trains on."""
+    """Keep every micro-batch the trainer trains on, for batch_counts after training. They are GPU tensors here
+    (accelerate moved them before training_step): reading them now would sync every micro-step of every tool."""
     original = trainer.training_step
 
     def counting(model, inputs, num_items_in_batch=None):
-        lengths = example_lengths(inputs)
-        record["batches"].append((sum(lengths), int((inputs["labels"][:, 1:] != -100).sum()),
-                                  sum(n * (n + 1) // 2 for n in lengths)))
+        keys = ("input_ids", "labels", "attention_mask", "position_ids")
+        record["inputs"].append({k: inputs[k] for k in keys if k in inputs})
         return original(model, inputs, num_items_in_batch)
 
     trainer.training_step = counting  # benchmark instrumentation only
+
+
+def batch_counts(batch: dict) -> tuple[int, int, int]:
+    """Tokens, trained tokens and causal query-key pairs of one kept micro-batch."""
+    batch = {k: v.cpu() for k, v in batch.items()}
+    lengths = example_lengths(batch)
+    return sum(lengths), int((batch["labels"][:, 1:] != -100).sum()), sum(n * (n + 1) // 2 for n in lengths)
 
 
 def common_args(spec: dict) -> dict:
@@ -170,7 +177,20 @@ def load_model(spec: dict):
     return model
 
 
-def sft_trainer(spec: dict, callback):
+def sft_syncs_trainer(spec: dict, callback):
+    """sft with host syncs per micro-step put back, to A/B their cost (`--tools sft,sft_syncs`): the chunked loss
+    finds trained positions with nonzero (no host count), the Trainer's NaN filter reads each loss (twice) and
+    DivergenceGuard reads each loss: 4 syncs per micro-step (sft before the fix had 6: a boolean-mask selection
+    of two tensors and its backward instead of the one nonzero)."""
+    from sft.data.collators import HostCount
+    from sft.training.divergence import DivergenceGuard
+
+    HostCount.__call__ = lambda self, features: self.collator(features)
+    DivergenceGuard.add_loss = lambda self, loss: setattr(self, "_step_loss", self._step_loss + float(loss))
+    return sft_trainer(spec, callback, {"logging_nan_inf_filter": True})
+
+
+def sft_trainer(spec: dict, callback, extra: dict | None = None):
     """sft's recipe path: its packer, chunked loss, fused AdamW default, LoRA/QLoRA from recipe keys."""
     from sft.data.build import prepare_splits
     from sft.data.stats import compute_stats
@@ -188,7 +208,7 @@ def sft_trainer(spec: dict, callback):
         "gradient_checkpointing": spec["checkpointing"], "use_peft": peft, "load_in_4bit": spec["method"] == "qlora"}
     if peft:
         recipe |= {"lora_r": LORA["r"], "lora_alpha": LORA["alpha"], "lora_dropout": LORA["dropout"]}
-    config = load_recipe(recipe)
+    config = load_recipe(recipe | (extra or {}))
     tokenizer = load_tokenizer(config)
     train, _ = prepare_splits(config, tokenizer)
     stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows)
@@ -253,11 +273,12 @@ def worker(spec: dict) -> dict:
     import torch
 
     sys.path.insert(0, str(REPO))
-    record = {"ends": [], "losses": [], "batches": []}
-    build = {"sft": sft_trainer, "trl": trl_trainer, "plain": plain_trainer}[spec["tool"]]
-    trainer = build(spec, clock_callback(spec, record))
+    record = {"ends": [], "losses": [], "inputs": []}
+    build = {"sft": sft_trainer, "sft_syncs": sft_syncs_trainer, "trl": trl_trainer, "plain": plain_trainer}
+    trainer = build[spec["tool"]](spec, clock_callback(spec, record))
     count_batches(trainer, record)
     trainer.train()
+    record["batches"] = [batch_counts(b) for b in record.pop("inputs")]
     ends, timed = record["ends"], record["batches"][WARMUP:]
     seconds = ends[-1] - ends[WARMUP - 1]
     tokens, trained, pairs = (sum(b[i] for b in timed) for i in range(3))
