@@ -233,6 +233,16 @@ def test_training_steps_do_not_synchronise_on_gpu(tmp_path, tokenizer, config):
     trainer = SyncCountingTrainer(model=make_llama(len(tokenizer), seed=1), args=args, processing_class=tokenizer,
                                   train_dataset=data)
     trainer.step_syncs = []
+    backward = trainer.accelerator.backward
+
+    def strict_backward(loss, **kwargs):  # autograd's CUDA thread has no Python frame for a warning: raise there
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return backward(loss, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    trainer.accelerator.backward = strict_backward
     trainer.train()
     assert len(trainer.step_syncs) == OPTIMIZER_STEPS * ACCUMULATION
     assert all(site.split(":")[0].endswith("masking_utils.py") for step in trainer.step_syncs for site in step), \
