@@ -1,5 +1,6 @@
 """SFTConfig: transformers (Seq2Seq)TrainingArguments plus the model, data and SFT fields a recipe can set."""
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,7 @@ from transformers.utils import (
     is_torch_xla_available,
 )
 
-from sft.config.names import DISTRIBUTED_PRESETS, DTYPE_NAMES, HISTORY, NO_ASSISTANT_TURN
+from sft.config.names import DISTRIBUTED_PRESETS, DTYPE_NAMES, HISTORY, LOSS_KERNELS, NO_ASSISTANT_TURN
 
 # Flags a machine may be unable to honour. A recipe that sets them must still load (and pass `sft check`) on a
 # laptop: where the hardware lacks them they are held back from TrainingArguments' validation and reported when
@@ -95,6 +96,11 @@ class SFTConfig(Seq2SeqTrainingArguments):
     chunked_loss: bool = _help("Compute the LM head and loss only at trained positions, in chunks (exact; less "
                                "memory and compute), in training and eval. Used for plain-head causal LMs, also "
                                "under DDP, FSDP, DeepSpeed and torch_compile.", True)
+    loss_kernel: str = _help("What computes the chunked training loss at the trained positions: chunked (sft's own "
+                             "linear-cross-entropy), liger (Liger's fused linear cross-entropy: needs liger-kernel "
+                             "and a CUDA GPU; same loss, normalisation and label smoothing) or auto, which is "
+                             "chunked until GPU measurements show where Liger is faster and exact. Eval always "
+                             "uses sft's own.", "auto", choices=LOSS_KERNELS)
 
     # PEFT (LoRA / DoRA / rsLoRA)
     use_peft: bool = _help("Train a LoRA adapter instead of all weights.", False)
@@ -156,18 +162,33 @@ class SFTConfig(Seq2SeqTrainingArguments):
         self._unsupported_flags = sorted(deferred)
 
     def hardware_problems(self) -> list[str]:
-        """GPU-only flags this machine cannot honour, each as a message saying how to fix it.
+        """GPU-only flags (and loss_kernel: liger) this machine cannot honour, each as a message saying how to fix it.
 
         bf16 without any GPU is refused unless use_cpu was asked for: a GPU recipe that silently trains on CPU
         (a broken CUDA install, the wrong machine) would look like a hang. With use_cpu it is CPU bf16 autocast.
         """
         cpu_bf16 = [name for name in ("bf16", "bf16_full_eval") if getattr(self, name) and self.cpu_by_default]
-        return [
+        problems = [
             f"{name}: true needs a CUDA GPU with {'TF32' if name == 'tf32' else 'bfloat16'} support, and this "
             f"machine has none. Set {name}: false (or pass --{name} false) to run here"
             + (", or pass --use_cpu true to train under CPU bf16 autocast." if name != "tf32" else ".")
             for name in sorted({*self._unsupported_flags, *cpu_bf16})
         ]
+        liger = liger_unavailable(self.use_cpu) if self.loss_kernel == "liger" else None
+        return problems + ([liger] if liger else [])
+
+
+def liger_unavailable(use_cpu: bool) -> str | None:
+    """Why `loss_kernel: liger` cannot run here, or None: Liger's kernels are Triton, so they need liger-kernel
+    installed and a CUDA GPU (found without importing it: importing Triton is slow)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        reason = "the liger-kernel package is not installed (pip install liger-kernel; it needs triton)"
+    elif use_cpu or not torch.cuda.is_available():
+        reason = "Liger's Triton kernels need a CUDA GPU, and this run has none"
+    else:
+        return None
+    return (f"loss_kernel: liger cannot run here: {reason}. Set loss_kernel: auto (or pass --loss_kernel auto) to "
+            "train with sft's own chunked loss, which computes the same loss.")
 
 
 def _supported(flag: str, use_cpu: bool) -> bool:

@@ -38,6 +38,9 @@ def check_values(config: SFTConfig) -> None:
         raise SFTError(f"Bad value for `seed`: {config.seed}; give a number from 0 to 4294967295.")
     if config.lora_dropout >= 1:
         raise SFTError(f"Bad value for `lora_dropout`: {config.lora_dropout}; a dropout probability is below 1.")
+    if config.loss_kernel == "liger" and not config.chunked_loss:
+        raise SFTError("loss_kernel: liger computes the chunked loss, but chunked_loss is false. Set chunked_loss: "
+                       "true to use Liger's kernel, or loss_kernel: auto for the plain full-logits loss.")
     check_eval_split(config.eval_split_size)
     check_reporting(config.report_to)
     check_eval_plan(config)

@@ -6,6 +6,10 @@ compute and memory on small and mid-size models (a 32k vocabulary x 4k tokens of
 gradient). Here the head runs only at positions whose next token is trained, in chunks, and each chunk's gradients
 are computed in the forward pass (as fused linear-cross-entropy kernels do), so peak memory holds one chunk of logits
 and the head costs exactly its three matmuls, with no recomputation.
+
+`loss_kernel: liger` hands the same trained rows to Liger's fused linear cross-entropy (Triton, CUDA only) instead
+of LinearCrossEntropy: summed, divided by the same normaliser, with the same label smoothing formula, fp32 weight-
+gradient accumulation as here, no z-loss and no softcap. Eval always uses sft's own chunked token losses.
 """
 
 import functools
@@ -23,6 +27,7 @@ from transformers.utils import ModelOutput
 
 from sft.data.boundaries import starts
 from sft.data.encode import IGNORE_INDEX
+from sft.errors import SFTError
 from sft.models.adapters import unwrapped
 from sft.models.families import has_plain_head
 
@@ -99,9 +104,10 @@ class TrainedTokensOutput(ModelOutput):
     token_losses: torch.Tensor | None = None
 
 
-def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0) -> bool:
+def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0, liger: Callable | None = None) -> bool:
     """Make the causal LM inside `model` (a PEFT model's base too) compute its loss with labels chunk-wise in its
-    own forward; returns whether it applies.
+    own forward; returns whether it applies. `liger` (liger_linear_cross_entropy's function) computes the training
+    loss instead of LinearCrossEntropy. Attaching again replaces the earlier settings.
 
     The forward is replaced on the instance, so every wrapper that calls the model (DDP, FSDP2, DeepSpeed, PEFT,
     accelerate's autocast, torch.compile) runs it: parameters are gathered and gradients synchronised as for any
@@ -110,17 +116,16 @@ def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0) -> bool:
     lm = unwrapped(model)
     if not supports_chunked_loss(lm):
         return False
-    if getattr(lm.forward, "chunked_loss", False):
-        return True
-    original = lm.forward
+    attached = getattr(lm.forward, "chunked_loss", False)
+    original = lm.forward.__wrapped__ if attached else lm.forward
 
     @functools.wraps(original)  # keeps the signature: the Trainer reads it to keep dataset columns
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return chunked_forward(lm, *args, original=original, smoothing=label_smoothing, **kwargs)
+        return chunked_forward(lm, *args, original=original, smoothing=label_smoothing, liger=liger, **kwargs)
 
     forward.chunked_loss = True
     lm.forward = forward
-    if is_deepspeed_zero3_enabled():
+    if is_deepspeed_zero3_enabled() and not attached:
         import deepspeed
 
         # The head's weight is read here, not through lm_head's forward: ZeRO-3 gathers it for this module.
@@ -142,7 +147,7 @@ def trained_index(keep: torch.Tensor, host_count: tuple[int, ...] | None) -> tor
     return flat.nonzero().squeeze(1)
 
 
-def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: float,
+def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: float, liger: Callable | None = None,
                     labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
                     full_logits: bool = False, trained_targets: tuple[int, ...] | None = None,
                     **kwargs: Any) -> Any:
@@ -170,11 +175,38 @@ def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: 
     picked_hidden = hidden.flatten(0, 1).index_select(0, index + index // max(targets.shape[1], 1))
     picked_targets = targets.flatten().index_select(0, index)
     if torch.is_grad_enabled():
+        if liger is not None and picked_targets.numel():  # no trained row: sft's own gives the zero loss and gradients
+            return TrainedTokensOutput(loss=liger_loss(liger, picked_hidden, weight, picked_targets, normalizer,
+                                                       smoothing))
         loss = LinearCrossEntropy.apply(picked_hidden, weight, picked_targets, normalizer, chunk, smoothing)
         return TrainedTokensOutput(loss=loss)
     token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
     token_losses.view(-1).index_copy_(0, index, chunked_token_losses(picked_hidden, weight, picked_targets, chunk))
     return TrainedTokensOutput(loss=token_losses.sum() / normalizer, token_losses=token_losses)
+
+
+def liger_loss(liger: Callable, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+               normalizer: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """What LinearCrossEntropy computes, by Liger's fused linear cross-entropy: the summed loss of the trained rows
+    (none ignored) / normalizer; weight gradients accumulated in fp32 as here (Liger's default is the weight's
+    dtype, bf16 in a bf16 run); Liger's label smoothing is the formula LinearCrossEntropy uses."""
+    total = liger(hidden, weight, targets, ignore_index=IGNORE_INDEX, label_smoothing=smoothing, reduction="sum",
+                  accum_dtype=torch.float32)
+    return total.float() / normalizer
+
+
+def liger_linear_cross_entropy(device: torch.device) -> Callable:
+    """liger_kernel's liger_fused_linear_cross_entropy for training on `device`; SFTError (what to do) where it
+    cannot run: liger-kernel missing or not importing (Triton), or a device other than a CUDA GPU."""
+    if torch.device(device).type != "cuda":
+        raise SFTError(f"loss_kernel: liger needs a CUDA GPU (Liger's kernels are Triton), and this run trains on "
+                       f"{torch.device(device).type}. Set loss_kernel: auto to use sft's own chunked loss.")
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except (ImportError, RuntimeError) as error:  # not installed, or Triton failing to initialise
+        raise SFTError(f"loss_kernel: liger needs liger-kernel, which does not import here ({type(error).__name__}: "
+                       f"{error}). Install it (pip install liger-kernel) or set loss_kernel: auto.") from None
+    return liger_fused_linear_cross_entropy
 
 
 @torch.no_grad()
@@ -212,11 +244,19 @@ def seq2seq_token_loss(model: nn.Module, inputs: dict, normalizer: torch.Tensor 
 
 class TokenLoss:
     """One trainer's loss choices, made once: the chunked forward where the model has a plain head (it then applies
-    label smoothing itself: transformers' LabelSmoother would need the full logits), the step-normalised decoder
-    loss for encoder-decoder training."""
+    label smoothing itself: transformers' LabelSmoother would need the full logits), computed by sft's
+    LinearCrossEntropy or, with kernel "liger", Liger's fused linear cross-entropy; the step-normalised decoder
+    loss for encoder-decoder training. Kernel "auto" is sft's own."""
 
-    def __init__(self, model: nn.Module, chunked: bool, label_smoothing: float) -> None:
-        self.chunked = chunked and attach_chunked_loss(model, label_smoothing)
+    def __init__(self, model: nn.Module, chunked: bool, label_smoothing: float, kernel: str = "auto",
+                 device: torch.device | str = "cpu") -> None:
+        liger = liger_linear_cross_entropy(device) if kernel == "liger" else None
+        self.chunked = chunked and attach_chunked_loss(model, label_smoothing, liger)
+        if liger is not None and not self.chunked:
+            raise SFTError("loss_kernel: liger computes the chunked loss, which needs chunked_loss: true and a "
+                           f"causal LM with a plain linear output head ({type(unwrapped(model)).__name__} here). "
+                           "Set loss_kernel: auto.")
+        self.kernel = "liger" if liger is not None else "chunked" if self.chunked else "model"
 
     @staticmethod
     def seq2seq(model: nn.Module, inputs: dict, num_items_in_batch: torch.Tensor | int | None,

@@ -58,7 +58,8 @@ class SFTMixin:
 
     def _init_sft(self) -> None:
         self.token_loss = TokenLoss(self.model, getattr(self.args, "chunked_loss", True),
-                                    self.args.label_smoothing_factor)
+                                    self.args.label_smoothing_factor, getattr(self.args, "loss_kernel", "auto"),
+                                    self.args.device)
         if self.token_loss.chunked:
             self.label_smoother = None  # the chunked forward applies label smoothing
         self.eval_tokens = EvalTokenSums(self.accelerator)

@@ -1,0 +1,163 @@
+"""`loss_kernel: liger`: Liger's fused linear cross-entropy computes the training loss at the trained positions, with
+sft's normalisation and label smoothing, equal to sft's chunked loss; it is refused, saying what to do, where it
+cannot run. Liger needs Triton and CUDA, so these CPU tests put a reference of the same signature in its place
+(the real kernel is checked in tests/test_gpu.py)."""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_loss import batch
+from test_trainer import toy_dataset
+
+import sft.training.loss
+from sft import SFTConfig, SFTTrainer
+from sft.data.encode import IGNORE_INDEX
+from sft.errors import SFTError
+from sft.training.loss import TokenLoss, attach_chunked_loss, liger_linear_cross_entropy
+from sft.training.recipe import load_recipe
+
+from conftest import make_llama
+
+
+class ReferenceLiger:
+    """liger_kernel.transformers.functional.liger_fused_linear_cross_entropy's signature, computed with torch's
+    cross entropy (whose label smoothing is an independent statement of the formula); records each call."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __call__(self, input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
+                 label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None,
+                 use_token_scaling=False, return_token_accuracy=False, return_predicted_tokens=False,
+                 chunk_mem_const=1):
+        self.calls.append({"input": input.detach().clone(), "target": target.clone(), "bias": bias,
+                           "ignore_index": ignore_index, "lse_square_scale": lse_square_scale,
+                           "label_smoothing": label_smoothing, "reduction": reduction, "softcap": softcap,
+                           "return_z_loss": return_z_loss, "accum_dtype": accum_dtype})
+        return F.cross_entropy((input @ weight.T).float(), target, ignore_index=ignore_index,
+                               label_smoothing=label_smoothing, reduction=reduction)
+
+
+@pytest.fixture
+def reference(monkeypatch):
+    """Liger replaced by the reference wherever sft looks it up (any device accepted)."""
+    liger = ReferenceLiger()
+    monkeypatch.setattr(sft.training.loss, "liger_linear_cross_entropy", lambda device: liger)
+    return liger
+
+
+def loss_and_grads(model, inputs, normalizer):
+    model.zero_grad()
+    loss = model(**inputs, num_items_in_batch=normalizer).loss
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("smoothing", "normalizer"), [(0.0, None), (0.1, 97)])
+def test_liger_gets_the_trained_rows_only_and_equals_the_chunked_loss(smoothing, normalizer, monkeypatch):
+    model = make_llama(300, initializer_range=0.3)  # peaked logits: smoothing changes the loss measurably
+    inputs = batch(300)
+    attach_chunked_loss(model, label_smoothing=smoothing)
+    chunked, chunked_grads = loss_and_grads(model, inputs, normalizer)
+    liger = ReferenceLiger()
+    attach_chunked_loss(model, label_smoothing=smoothing, liger=liger)  # replaces the earlier attachment
+
+    def fail(*args):
+        raise AssertionError("LinearCrossEntropy ran although Liger was attached")
+
+    monkeypatch.setattr(sft.training.loss.LinearCrossEntropy, "apply", fail)
+    fused, fused_grads = loss_and_grads(model, inputs, normalizer)
+    (call,) = liger.calls
+    targets = inputs["labels"][:, 1:]
+    keep = targets != IGNORE_INDEX
+    hidden = model.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
+    assert torch.equal(call["target"], targets[keep]) and int(keep.sum()) == 39 < targets.numel()
+    assert torch.allclose(call["input"], hidden[:, :-1][keep], atol=1e-6)  # the decoder's output at those rows
+    assert (call["reduction"], call["ignore_index"], call["label_smoothing"], call["accum_dtype"]) == \
+        ("sum", IGNORE_INDEX, smoothing, torch.float32)
+    assert (call["bias"], call["lse_square_scale"], call["softcap"], call["return_z_loss"]) == (None, 0.0, None, False)
+    assert torch.allclose(fused, chunked, atol=1e-6)
+    for name, grad in fused_grads.items():
+        assert torch.allclose(grad, chunked_grads[name], atol=1e-6), name
+    other, _ = loss_and_grads(model, inputs, 39 if normalizer else 97)  # the normaliser matters: the check can fail
+    assert abs(float(other) - float(fused)) > 0.1
+
+
+def test_no_trained_row_gives_sft_s_zero_loss_without_calling_liger():
+    model = make_llama(300)
+    inputs = batch(300)
+    inputs["labels"][:] = IGNORE_INDEX
+    liger = ReferenceLiger()
+    attach_chunked_loss(model, liger=liger)
+    loss = model(**inputs).loss
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and liger.calls == []
+    assert all(float(p.grad.abs().sum()) == 0.0 for p in model.parameters() if p.grad is not None)
+
+
+def train_losses(tmp_path, tokenizer, **flags):
+    model = make_llama(len(tokenizer), seed=1)
+    args = SFTConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     max_steps=2, learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", seed=3,
+                     **flags)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=toy_dataset(),
+                         eval_dataset=toy_dataset(1))
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return losses, trainer
+
+
+def test_trainer_with_liger_trains_as_the_chunked_loss(tmp_path, tokenizer, reference):
+    chunked, chunked_trainer = train_losses(tmp_path, tokenizer, label_smoothing_factor=0.1)
+    assert chunked_trainer.token_loss.kernel == "chunked" and reference.calls == []  # auto is today's chunked loss
+    fused, trainer = train_losses(tmp_path, tokenizer, label_smoothing_factor=0.1, loss_kernel="liger")
+    assert trainer.token_loss.kernel == "liger"
+    assert len(reference.calls) == 4  # 2 steps x 2 accumulated micro-batches
+    assert {c["label_smoothing"] for c in reference.calls} == {0.1}
+    assert fused == pytest.approx(chunked, abs=1e-6) and fused[0] != pytest.approx(fused[1], abs=1e-3)
+    evaluated = trainer.evaluate()["eval_loss"]  # eval: sft's own per-token losses, not Liger
+    assert len(reference.calls) == 4
+    assert evaluated == pytest.approx(chunked_trainer.evaluate()["eval_loss"], abs=1e-6)
+
+
+def test_liger_refuses_a_model_without_the_chunked_loss(reference):
+    with pytest.raises(SFTError, match="plain linear output head"):
+        TokenLoss(torch.nn.Linear(2, 2), True, 0.0, "liger", "cuda")
+    with pytest.raises(SFTError, match="chunked_loss: true"):
+        TokenLoss(make_llama(64), False, 0.0, "liger", "cuda")
+    assert TokenLoss(make_llama(64), True, 0.0, "liger", "cuda").kernel == "liger"  # the control
+
+
+def test_liger_refuses_a_device_other_than_cuda_and_a_missing_package(monkeypatch):
+    with pytest.raises(SFTError, match="needs a CUDA GPU.*loss_kernel: auto"):
+        liger_linear_cross_entropy(torch.device("cpu"))
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import liger_kernel now raises ImportError
+    with pytest.raises(SFTError, match="pip install liger-kernel"):
+        liger_linear_cross_entropy(torch.device("cuda"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_trainer_and_recipe_refuse_liger_without_a_gpu(tmp_path, tokenizer, monkeypatch):
+    with pytest.raises(SFTError, match="loss_kernel: liger"):
+        train_losses(tmp_path, tokenizer, loss_kernel="liger")
+    config = load_recipe({"loss_kernel": "liger", "output_dir": str(tmp_path / "out")})  # loads: `sft check` works
+    (problem,) = config.hardware_problems()
+    assert problem.startswith("loss_kernel: liger cannot run here") and "loss_kernel: auto" in problem
+    assert load_recipe({"output_dir": str(tmp_path / "out")}).hardware_problems() == []
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: object())  # as if liger-kernel were installed
+    (problem,) = config.hardware_problems()
+    assert "need a CUDA GPU" in problem
+    from sft.training.flows import train
+
+    with pytest.raises(SFTError, match="loss_kernel: liger cannot run here"):
+        train(config)  # before any data or model is loaded
+
+
+def test_recipe_checks_the_loss_kernel_value_and_combination():
+    assert load_recipe({}).loss_kernel == "auto"
+    with pytest.raises(SFTError, match="`loss_kernel`.*not one of auto, chunked, liger"):
+        load_recipe({"loss_kernel": "fast"})
+    with pytest.raises(SFTError, match="chunked_loss is false"):
+        load_recipe({"loss_kernel": "liger", "chunked_loss": False})
