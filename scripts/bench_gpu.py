@@ -32,7 +32,10 @@ MODELS = {  # name: (key of sft's architecture table, tokenizer fixture)
 }
 # The CPU check's shape: the Qwen2.5 family shrunk (the real tokenizer's vocabulary is kept).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-TOOLS = ("sft", "trl", "plain", "sft_syncs")
+TOOLS = ("sft", "trl", "plain", "sft_syncs", "sft-liger")
+# sft runs with recipe overrides (tool: keys), compared with `sft` as trl and plain are ("sft/sft-liger tokens_per_s").
+# sft-liger: Liger's fused linear cross-entropy at the trained positions; where Liger cannot run, a recorded failure.
+SFT_TOOLS = {"sft": {}, "sft-liger": {"loss_kernel": "liger"}}
 WARMUP = 2
 # The adapter and 4-bit settings of the shipped 8B recipes (recipes/llama-3.1-8b-instruct/{lora,qlora}.yaml).
 LORA = dict(r=16, alpha=32, dropout=0.05)
@@ -208,7 +211,7 @@ def sft_trainer(spec: dict, callback, extra: dict | None = None):
         "gradient_checkpointing": spec["checkpointing"], "use_peft": peft, "load_in_4bit": spec["method"] == "qlora"}
     if peft:
         recipe |= {"lora_r": LORA["r"], "lora_alpha": LORA["alpha"], "lora_dropout": LORA["dropout"]}
-    config = load_recipe(recipe | (extra or {}))
+    config = load_recipe(recipe | SFT_TOOLS.get(spec["tool"], {}) | (extra or {}))
     tokenizer = load_tokenizer(config)
     train, _ = prepare_splits(config, tokenizer)
     stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows)
@@ -274,8 +277,8 @@ def worker(spec: dict) -> dict:
 
     sys.path.insert(0, str(REPO))
     record = {"ends": [], "losses": [], "inputs": []}
-    build = {"sft": sft_trainer, "sft_syncs": sft_syncs_trainer, "trl": trl_trainer, "plain": plain_trainer}
-    trainer = build[spec["tool"]](spec, clock_callback(spec, record))
+    build = {"sft_syncs": sft_syncs_trainer, "trl": trl_trainer, "plain": plain_trainer}.get(spec["tool"], sft_trainer)
+    trainer = build(spec, clock_callback(spec, record))
     count_batches(trainer, record)
     trainer.train()
     record["batches"] = [batch_counts(b) for b in record.pop("inputs")]
@@ -291,7 +294,7 @@ def worker(spec: dict) -> dict:
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "final_loss": record["losses"][-1], "losses": record["losses"],
             "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-            "liger": bool(getattr(trainer.args, "use_liger_kernel", False)),
+            "liger": bool(getattr(trainer.args, "use_liger_kernel", False)) or spec["tool"] == "sft-liger",
             "optim": getattr(trainer.args.optim, "value", trainer.args.optim)}
 
 
@@ -311,12 +314,13 @@ def spawn(spec: dict, timeout: float) -> dict:
 
 
 def ratios(runs: dict, peak: float) -> dict:
-    """MFU of each run, and sft's ratios to trl and plain (tokens/s, MFU, peak memory, time to first step)."""
+    """MFU of each run, and sft's ratios to trl, plain and the sft variants (tokens/s, MFU, peak memory, time to
+    first step)."""
     for run in runs.values():
         if "model_flops_per_s" in run:
             run["mfu"] = run["model_flops_per_s"] / peak
     out, sft = {}, runs.get("sft", {})
-    for other in ("trl", "plain"):
+    for other in ("trl", "plain", "sft_syncs", *(tool for tool in SFT_TOOLS if tool != "sft")):
         base = runs.get(other, {})
         for key in ("tokens_per_s", "mfu", "peak_memory_bytes", "time_to_first_step_s"):
             if sft.get(key) and base.get(key):
@@ -345,13 +349,13 @@ def run_job(job: Job, args, root: Path, peak: float, deadline: float) -> dict:
 def table(results: dict) -> str:
     lines = [f"matmul peak measured (bf16 on GPU, fp32 on CPU): {results['peak_flops'] / 1e12:.2f} TFLOP/s "
              f"({results['device_name']}); peak GB: torch.cuda.max_memory_allocated (CPU: process peak RSS)",
-             f"{'model':<14}{'method':<7}{'tool':<6}{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
-             f"{'loss':>8}  sft/tool tok/s", "-" * 90]
+             f"{'model':<14}{'method':<7}{'tool':<10}{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
+             f"{'loss':>8}  sft/tool tok/s", "-" * 94]
     for job in results["jobs"]:
         if "skipped" in job:
             lines.append(f"{job['job']['model']:<14}{job['job']['method']:<7}skipped: {job['skipped']}")
         for tool, run in job.get("runs", {}).items():
-            head = f"{job['job']['model']:<14}{job['job']['method']:<7}{tool:<6}"
+            head = f"{job['job']['model']:<14}{job['job']['method']:<7}{tool:<10}"
             if "error" in run:
                 lines.append(head + "failed: " + run["error"].strip().splitlines()[-1][:60])
                 continue

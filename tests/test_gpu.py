@@ -98,3 +98,45 @@ def test_inductor_compile_computes_the_loss_on_gpu(tmp_path, tokenizer, count_ch
     compiled, calls = losses(tmp_path, tokenizer, torch_compile=True, tf32=False)
     assert calls == [("OptimizedModule", 1)] * 2
     assert compiled == pytest.approx(eager, abs=1e-4)
+
+
+def head_and_loss(model, inputs, normalizer) -> tuple[float, dict]:
+    model.zero_grad()
+    loss = model(**inputs, num_items_in_batch=normalizer).loss
+    loss.backward()
+    return float(loss.detach()), {k: p.grad.float().clone() for k, p in model.named_parameters()}
+
+
+def grad_gap(grads: dict, expected: dict) -> float:
+    """The largest max |difference| / max |expected| over the parameters."""
+    return max(float((grads[k] - v).abs().max() / v.abs().max()) for k, v in expected.items())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_liger_loss_kernel_equals_the_chunked_loss_in_bf16_on_gpu(smoothing):
+    from test_loss import batch
+
+    from sft.training.loss import attach_chunked_loss, liger_linear_cross_entropy
+
+    model = make_llama(300, initializer_range=0.3).to("cuda", torch.bfloat16)  # pure bf16 weights, as bench_gpu
+    inputs = {k: v.to("cuda") for k, v in batch(300).items()}
+    attach_chunked_loss(model, label_smoothing=smoothing)
+    chunked, chunked_grads = head_and_loss(model, inputs, 97)
+    attach_chunked_loss(model, label_smoothing=smoothing, liger=liger_linear_cross_entropy(torch.device("cuda")))
+    fused, fused_grads = head_and_loss(model, inputs, 97)
+    other, _ = head_and_loss(model, inputs, 39)  # the trained tokens instead of the step's 97
+    gap = grad_gap(fused_grads, chunked_grads)
+    print(f"smoothing {smoothing}: chunked {chunked:.6f}, liger {fused:.6f}, largest gradient gap {gap:.2e}")
+    assert fused == pytest.approx(chunked, rel=1e-3)
+    assert gap < 2e-2  # bf16 gradients: a few units of bf16's 2^-8
+    assert abs(other - fused) > 0.1  # the normaliser reaches the loss: the comparison above can fail
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
+def test_trainer_with_loss_kernel_liger_trains_as_the_chunked_loss_on_gpu(tmp_path, tokenizer,
+                                                                         count_chunked):  # noqa: F811
+    chunked, _ = losses(tmp_path, tokenizer, bf16=True, label_smoothing_factor=0.1)
+    fused, calls = losses(tmp_path, tokenizer, bf16=True, label_smoothing_factor=0.1, loss_kernel="liger")
+    assert calls == [("LlamaForCausalLM", 1)] * 2  # the chunked forward computed each step's loss, with Liger
+    assert fused == pytest.approx(chunked, rel=1e-3)
