@@ -155,6 +155,17 @@ def test_trainer_and_recipe_refuse_liger_without_a_gpu(tmp_path, tokenizer, monk
         train(config)  # before any data or model is loaded
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks `sft check` on a machine without a GPU")
+def test_sft_check_runs_a_liger_recipe_with_sft_s_own_loss_on_cpu(tmp_path):
+    from sft.check.smoke import CheckReport, cpu_overrides
+
+    report = CheckReport(recipe="liger.yaml")
+    overrides = cpu_overrides(load_recipe({"loss_kernel": "liger"}), report, tmp_path)
+    assert overrides["loss_kernel"] == "auto" and report.skipped == ["loss_kernel=liger"]
+    plain = CheckReport(recipe="plain.yaml")
+    assert "loss_kernel" not in cpu_overrides(load_recipe({}), plain, tmp_path) and plain.skipped == []
+
+
 def test_recipe_checks_the_loss_kernel_value_and_combination():
     assert load_recipe({}).loss_kernel == "auto"
     with pytest.raises(SFTError, match="`loss_kernel`.*not one of auto, chunked, liger"):

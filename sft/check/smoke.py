@@ -102,6 +102,9 @@ def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:
             if getattr(config, key) not in (None, False, "", [], {}):
                 report.skipped.append(key)
                 overrides[key] = off
+        if config.loss_kernel == "liger":  # Liger's kernels are Triton (CUDA); sft's own computes the same loss
+            report.skipped.append("loss_kernel=liger")
+            overrides["loss_kernel"] = "auto"
     return overrides
 
 
