@@ -3,6 +3,8 @@ sft's normalisation and label smoothing, equal to sft's chunked loss; it is refu
 cannot run. Liger needs Triton and CUDA, so these CPU tests put a reference of the same signature in its place
 (the real kernel is checked in tests/test_gpu.py)."""
 
+import importlib.util
+import os
 import sys
 
 import pytest
@@ -120,6 +122,30 @@ def test_trainer_with_liger_trains_as_the_chunked_loss(tmp_path, tokenizer, refe
     evaluated = trainer.evaluate()["eval_loss"]  # eval: sft's own per-token losses, not Liger
     assert len(reference.calls) == 4
     assert evaluated == pytest.approx(chunked_trainer.evaluate()["eval_loss"], abs=1e-6)
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("liger_kernel") is not None
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the real Liger kernel on CPU needs liger-kernel and triton installed and "
+                    "TRITON_INTERPRET=1 (Triton's interpreter)")
+def test_the_real_liger_kernel_interpreted_on_cpu_equals_the_chunked_loss(tmp_path, tokenizer, monkeypatch):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    model = make_llama(300, initializer_range=0.3)
+    inputs = batch(300)
+    for smoothing, normalizer in ((0.0, None), (0.1, 97)):
+        attach_chunked_loss(model, label_smoothing=smoothing)
+        chunked, chunked_grads = loss_and_grads(model, inputs, normalizer)
+        attach_chunked_loss(model, label_smoothing=smoothing, liger=liger_fused_linear_cross_entropy)
+        fused, fused_grads = loss_and_grads(model, inputs, normalizer)
+        assert torch.allclose(fused, chunked, atol=1e-6)
+        for name, grad in fused_grads.items():
+            assert torch.allclose(grad, chunked_grads[name], atol=1e-6), name
+    monkeypatch.setattr(sft.training.loss, "liger_linear_cross_entropy", lambda device: liger_fused_linear_cross_entropy)
+    chunked_losses, _ = train_losses(tmp_path, tokenizer, label_smoothing_factor=0.1)
+    fused_losses, trainer = train_losses(tmp_path, tokenizer, label_smoothing_factor=0.1, loss_kernel="liger")
+    assert trainer.token_loss.kernel == "liger" and fused_losses == pytest.approx(chunked_losses, abs=1e-6)
 
 
 def test_liger_refuses_a_model_without_the_chunked_loss(reference):
