@@ -47,3 +47,15 @@ def test_exactness_columns_catch_a_loss_off_by_one_percent(tmp_path, monkeypatch
     (wrong,) = run(tmp_path, "chunked")["variants"]
     assert wrong["loss_abs_diff"] > 0.05  # 1% of a loss of about ln(9496) = 9.2
     assert wrong["grad_hidden_rel_diff"] > 5e-3 and wrong["grad_weight_rel_diff"] > 5e-3
+
+
+def test_compiled_variant_is_opt_in():
+    assert "chunked-compiled" not in bench_loss.parse_args(["--small"]).variants.split(",")
+    assert bench_loss.parse_args(["--variants", "chunked-compiled"]).variants == "chunked-compiled"
+
+
+@pytest.mark.slow
+def test_compiled_variant_builds_one_graph_and_is_exact(tmp_path):
+    (compiled,) = run(tmp_path, "chunked-compiled")["variants"]
+    assert (compiled["graphs"], compiled["graph_breaks"]) == (1, 0)  # the kernel compiled whole; rows chosen eagerly
+    assert compiled["loss_abs_diff"] < 1e-5 and compiled["grad_weight_rel_diff"] < 1e-5
