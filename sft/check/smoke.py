@@ -23,7 +23,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from sft.config.arguments import SFTConfig
 from sft.data.chat_templates import generation_eos
 from sft.errors import SFTError
-from sft.models.families import guess_model_type
+from sft.models.families import VARLEN, guess_model_type
 from sft.models.hub import local_files_only
 from sft.training.catalog import shipped
 from sft.training.recipe import load_recipe
@@ -94,8 +94,9 @@ def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:
                  "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, "gradient_accumulation_steps": 1,
                  "max_length": min(config.max_length, 256), "dataloader_num_workers": 0, "overwrite_output_dir": True,
                  "bnb_4bit_compute_dtype": "float32", "push_to_hub": False}
-    if config.attn_implementation and config.attn_implementation.startswith("flash"):
-        report.skipped.append(f"attn_implementation={config.attn_implementation}")
+    attn = config.attn_implementation or ""
+    if attn.startswith("flash") or attn == VARLEN:  # half-precision GPU kernels; the smoke run is fp32, maybe on CPU
+        report.skipped.append(f"attn_implementation={attn}")
         overrides["attn_implementation"] = "sdpa"
     if not torch.cuda.is_available():
         for key, off in GPU_ONLY.items():

@@ -63,6 +63,7 @@ FAMILIES = {
     "bart": Family(wrap=("BartEncoderLayer", "BartDecoderLayer")),
 }
 MASK_ATTENTION = ("eager", "sdpa", "flex_attention")  # block-diagonal mask from position_ids, any batch size
+VARLEN = "varlen"  # sft's own: torch's varlen flash kernel (sft.models.attention)
 # Architectures guessed from a Hub id when its config cannot be fetched (offline check before renting a GPU); the
 # first hint found in the name wins, so longer names come before their prefixes.
 NAME_HINTS = (("mixtral", "mixtral"), ("mistral", "mistral"), ("zephyr", "mistral"), ("qwen3", "qwen3"),
@@ -126,17 +127,30 @@ def check_packing_supported(model_config: PretrainedConfig, attn_implementation:
                             flattened)
 
 
+def flattened_attention(attn: str | None) -> bool:
+    """Whether attention `attn` keeps packed examples apart only in one flattened row with cu_seq_lens
+    (PaddingFreeCollator): flash attention and sft's varlen. The MASK_ATTENTION ones read [B, L] position_ids."""
+    attn = attn or ""
+    return attn == VARLEN or ("flash" in attn and "paged" not in attn)  # paged attention serves generation only
+
+
+def flattened_batches(attn: str | None, padding_free: bool, packing: bool) -> bool:
+    """Whether batches are one flattened row: padding_free, or packed rows for an attention that needs that.
+    The one decision default_collator makes and the packing check assumes."""
+    return bool(padding_free or (packing and flattened_attention(attn)))
+
+
 def check_packing_attention(attn: str, flattened: bool) -> None:
     """Raise ValueError unless attention implementation `attn` separates packed examples."""
     if attn in MASK_ATTENTION:
         return
-    if "flash" in attn and "paged" not in attn:  # paged attention serves generation, not training batches
+    if flattened_attention(attn):
         if not flattened:
             raise ValueError(f"{attn} separates packed examples only in a single flattened row: use padding_free "
                              "(PaddingFreeCollator, which passes cu_seq_lens) or attn_implementation sdpa.")
         return
     raise ValueError(f"attn_implementation {attn!r} cannot isolate packed examples; use one of "
-                     f"{', '.join(MASK_ATTENTION)} (or flash attention with padding_free).")
+                     f"{', '.join(MASK_ATTENTION)} (or {VARLEN} / flash attention with flattened rows).")
 
 
 def guess_model_type(name: str) -> str:

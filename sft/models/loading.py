@@ -21,6 +21,8 @@ from sft.models.adapters import (
     is_adapter_folder,
     load_trained_adapter,
 )
+from sft.models.attention import VARLEN
+from sft.models.attention import register as register_varlen
 from sft.models.hub import local_files_only
 from sft.models.quantization import DTYPES, quantized_loading
 
@@ -60,7 +62,7 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
                   use_safetensors=None if config.allow_pickle else True, dtype=DTYPES.get(config.dtype, "auto"),
                   local_files_only=local_files_only(name))
     if config.attn_implementation:
-        kwargs["attn_implementation"] = config.attn_implementation
+        kwargs["attn_implementation"] = attention(config)
     kwargs.update(quantized_loading(config))
     auto = AutoModelForSeq2SeqLM if load_model_config(config, name).is_encoder_decoder else AutoModelForCausalLM
     try:
@@ -76,6 +78,16 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     if config.use_peft:
         return add_adapter(model, config, new_ids)
     return model
+
+
+def attention(config: SFTConfig) -> str:
+    """The recipe's attn_implementation, with sft's own `varlen` registered with transformers first."""
+    if config.attn_implementation == VARLEN:
+        register_varlen()
+        if not (config.packing or config.padding_free):
+            log.warning("attn_implementation %s speeds up packed or padding-free batches; this run's padded batches "
+                        "carry an attention mask and run sdpa. Set packing: true or padding_free: true.", VARLEN)
+    return config.attn_implementation
 
 
 def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -19,7 +19,7 @@ from sft.data.stats import DataStats, compute_stats
 from sft.data.tokenizer import load_tokenizer
 from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
 from sft.evaluation.metrics import resolve_metrics
-from sft.models.families import check_packing_supported
+from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.loading import load_model, load_model_config
 from sft.models.quantization import check_quantization
 from sft.training.presets import prepare_final_save
@@ -96,7 +96,9 @@ def apply_packing(config: SFTConfig, train_set: datasets.Dataset, eval_set: data
 def check_packing_model(config: SFTConfig) -> None:
     """Refuse packing / padding-free batches for models or attention backends that would mix examples."""
     try:
-        check_packing_supported(load_model_config(config), config.attn_implementation, flattened=config.padding_free)
+        # called when some split is packed or padding-free: default_collator flattens those for flash / varlen
+        flattened = flattened_batches(config.attn_implementation, config.padding_free, packing=True)
+        check_packing_supported(load_model_config(config), config.attn_implementation, flattened=flattened)
     except ValueError as err:
         raise SFTError(str(err)) from None
 

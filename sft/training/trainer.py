@@ -20,6 +20,7 @@ from transformers import (
 from sft.data.collators import TRAINED_TARGETS, HostCount, PackedCollator, PaddingFreeCollator
 from sft.data.encode import IGNORE_INDEX
 from sft.evaluation.predict import GenerationEval
+from sft.models.families import flattened_batches
 from sft.training import checkpoints
 from sft.training.checkpoints import CheckpointStaging
 from sft.training.divergence import DivergenceGuard
@@ -33,11 +34,11 @@ def default_collator(tokenizer: PreTrainedTokenizerBase, args: Any) -> Any:
     """Batches for the recipe's layout; padding never hides a trained EOS (labels are padded with -100).
 
     Packed rows keep examples apart with restarting position_ids and no attention mask, one batch row per packed
-    row (a [B, L] mask, not one quadratic [B*L]^2 mask); padding-free batches and flash attention (which needs
-    cu_seq_lens) get one flattened row.
+    row (a [B, L] mask, not one quadratic [B*L]^2 mask); padding-free batches, and packed ones for flash or varlen
+    attention (which need cu_seq_lens), get one flattened row (sft.models.families.flattened_batches).
     """
     packs = args.packing or bool(args.eval_packing)
-    if args.padding_free or (packs and "flash" in (args.attn_implementation or "")):
+    if flattened_batches(args.attn_implementation, args.padding_free, packs):
         return PaddingFreeCollator()
     if packs:
         return PackedCollator(tokenizer.pad_token_id)

@@ -1,0 +1,163 @@
+"""`attn_implementation: varlen`: packed and padding-free batches through torch's own variable-length flash kernel.
+
+`torch.nn.attention.varlen.varlen_attn` (CUDA, no flash-attn package) attends within each example of a flattened
+batch given its cumulative lengths (cu_seq_lens), so no [L, L] mask is built. `register()` adds the function to
+transformers' AttentionInterface under `VARLEN`, and flash attention's mask builder to its AttentionMaskInterface:
+a batch without padding then reaches the function with no mask at all, and a padded batch (generation, unpacked
+eval) with its 2D padding mask, which the function honours through sdpa rather than dropping it.
+
+Example boundaries come from the collator's `cu_seq_lens_q` / `max_length_q` (PaddingFreeCollator computes them on
+the host: no GPU sync), else from position_ids by sft.data.boundaries' rule (restarts), else one per row.
+torch versions differ: older kernels take `is_causal` (no GQA, no window), newer ones `window_size` and `enable_gqa`;
+the signature decides, and what the kernel cannot do is done around it (GQA heads repeated) or refused (a window).
+"""
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from sft.errors import SFTError
+from sft.models.families import VARLEN
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _torch_kernel() -> Callable | None:
+    """torch's varlen_attn, or None where this torch has none (before 2.9)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn as kernel
+    except ImportError:
+        return None
+    return kernel
+
+
+TORCH_VARLEN = _torch_kernel()
+varlen_attn = TORCH_VARLEN  # the kernel called; tests replace it with a CPU reference
+
+
+@functools.lru_cache(maxsize=8)
+def kernel_style(kernel: Callable) -> tuple[bool, bool, bool]:
+    """(takes window_size, takes enable_gqa, takes scale) of a varlen_attn: newer torch says causal with
+    window_size=(-1, 0), older with is_causal=True."""
+    params = inspect.signature(kernel).parameters
+    if "window_size" not in params and "is_causal" not in params:
+        raise SFTError("This torch's varlen_attn takes neither window_size nor is_causal; sft cannot make it causal. "
+                       "Use attn_implementation sdpa.")
+    return "window_size" in params, "enable_gqa" in params, "scale" in params
+
+
+def register() -> None:
+    """Make `attn_implementation="varlen"` loadable (idempotent)."""
+    if TORCH_VARLEN is None:
+        raise SFTError(f"attn_implementation {VARLEN} needs torch.nn.attention.varlen (torch >= 2.10); this torch is "
+                       f"{torch.__version__}. Use sdpa.")
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    # Flash attention's mask: None without padding (packed-sequence detection needs no [L, L] mask here), else the
+    # 2D padding mask, so a padded batch is never run as if it were unpadded.
+    AttentionMaskInterface.register(VARLEN, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+
+
+def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [B, Hq, L, D], key/value [B, Hkv, S, D] -> output
+    [B, L, Hq, D]. Causal within each example; a padded batch or a KV-cache step goes through sdpa."""
+    if dropout:
+        raise SFTError(f"attn_implementation {VARLEN} has no attention dropout, and this model's is {dropout}: set "
+                       "the model config's attention_dropout to 0, or use sdpa.")
+    if kwargs.get("softcap") is not None:
+        raise SFTError(f"attn_implementation {VARLEN} cannot soft-cap attention logits (this model does); use eager.")
+    if not getattr(module, "is_causal", True):
+        raise SFTError(f"attn_implementation {VARLEN} is causal only; {type(module).__name__} attends both ways.")
+    if attention_mask is not None or query.shape[2] != key.shape[2]:
+        return masked_sdpa(module, query, key, value, attention_mask, scaling, sliding_window)
+    batch, _, length, dim = query.shape
+    cu_seq, max_len = boundaries(kwargs, batch, length, query.device)
+    out = call_kernel(flat(query), flat(key), flat(value), cu_seq, max_len,
+                      scaling if scaling is not None else dim ** -0.5, sliding_window)
+    return out.view(batch, length, *out.shape[1:]), None
+
+
+def flat(states: torch.Tensor) -> torch.Tensor:
+    """[B, H, L, D] -> [B * L, H, D], the kernel's token-major layout."""
+    return states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])
+
+
+def boundaries(kwargs: dict, batch: int, length: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(cu_seq_lens int32 [N + 1] over the B * L flattened tokens, longest example) of this batch."""
+    cu_seq = kwargs.get("cu_seq_lens_q")
+    if cu_seq is not None and kwargs.get("max_length_q") is not None:
+        return cu_seq.to(device=device, dtype=torch.int32), int(kwargs["max_length_q"])
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:  # nothing says otherwise: every row is one example
+        return torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device), length
+    position_ids = position_ids.expand(batch, length).to(device)
+    # sft.data.boundaries' rule (layer 3, which this layer cannot import; tests/test_varlen.py checks they agree):
+    # an example starts at each row's first token and wherever positions do not go up by 1.
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    cu_seq = F.pad(starts.flatten().nonzero().flatten(), (0, 1), value=batch * length).to(torch.int32)
+    return cu_seq, int((cu_seq[1:] - cu_seq[:-1]).max())  # host syncs: the collator's kwargs avoid them
+
+
+def call_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq: torch.Tensor, max_len: int,
+                scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Causal varlen attention of flattened [T, H, D] states, in whichever style this torch's kernel takes."""
+    kernel = varlen_attn
+    if kernel is TORCH_VARLEN and not (query.is_cuda and query.dtype in HALF):
+        raise SFTError(f"attn_implementation {VARLEN} runs torch's flash kernel, which needs a CUDA GPU and bf16 or "
+                       f"fp16 activations (bf16: true or dtype: bfloat16); got {query.dtype} on {query.device.type}. "
+                       "Use sdpa here.")
+    windowed, gqa, scaled = kernel_style(kernel)
+    window = sliding_window is not None and max_len > sliding_window  # a window no example outgrows changes nothing
+    if window and not windowed:
+        raise SFTError(f"This model attends within a sliding window of {sliding_window} tokens, longer examples "
+                       f"({max_len} tokens) exist, and this torch's varlen_attn ({torch.__version__}) has no "
+                       "window_size. Use sdpa or flex_attention, or a torch whose varlen_attn takes window_size.")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and not gqa:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)  # transformers' repeat_kv
+    if windowed:  # flash's window counts the keys before the query; transformers' sliding_window the query too
+        options: dict[str, Any] = {"window_size": (sliding_window - 1, 0) if window else (-1, 0)}
+        if groups > 1 and gqa:
+            options["enable_gqa"] = True
+    else:
+        options = {"is_causal": True}
+    if scaled:
+        options["scale"] = scale
+    elif not math.isclose(scale, query.shape[-1] ** -0.5):
+        query = query * (scale * math.sqrt(query.shape[-1]))  # the kernel scales by 1/sqrt(D) itself
+    return kernel(query, key, value, cu_seq, cu_seq, max_len, max_len, **options)
+
+
+def masked_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, scaling: float | None,
+                sliding_window: int | None) -> tuple[torch.Tensor, None]:
+    """A padded batch (2D mask) or a KV-cache step (fewer queries than keys): transformers' sdpa with the causal,
+    window and padding mask spelled out (a 4D mask given by the caller is used as it is)."""
+    if attention_mask is None or attention_mask.dim() == 2:
+        attention_mask = dense_mask(attention_mask, query.shape[2], key.shape[2], sliding_window, query.device)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
+
+
+def dense_mask(padding: torch.Tensor | None, q_len: int, k_len: int, window: int | None,
+               device: torch.device) -> torch.Tensor:
+    """[B or 1, 1, Q, K] bool: query i (the last Q of K positions) sees the keys up to itself, within `window`,
+    that are not padding."""
+    row = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    col = torch.arange(k_len, device=device)[None, :]
+    allowed = col <= row
+    if window is not None:
+        allowed &= col > row - window
+    allowed = allowed[None, None]
+    if padding is not None:
+        allowed = allowed & padding[:, None, None, -k_len:].to(device=device, dtype=torch.bool)
+    return allowed | (col == row)  # a (left-)padding query sees itself: no fully masked row, no NaN
