@@ -1,7 +1,8 @@
-"""What only a GPU proves: bf16 end to end, packed == unpacked with sdpa and flash varlen kernels, QLoRA, FSDP2 with
-the chunked loss on one GPU, and inductor compile. Skipped without CUDA; run with `pytest -m gpu` on the lent
+"""What only a GPU proves: bf16 end to end, packed == unpacked with sdpa, flash and torch varlen kernels (sft's
+attn_implementation varlen), QLoRA, FSDP2 with the chunked loss on one GPU, and inductor compile. Skipped without CUDA; run with `pytest -m gpu` on the lent
 machine (../shared/gpu/README.md)."""
 
+import functools
 import importlib.util
 import json
 import sys
@@ -15,6 +16,7 @@ from test_trainer import toy_dataset
 
 from sft import SFTConfig, SFTTrainer
 from sft.data.packing import pack_dataset
+from sft.models import attention
 
 from conftest import make_llama
 
@@ -57,6 +59,87 @@ def test_packed_eval_loss_equals_unpacked_on_gpu(tmp_path, tokenizer, attn):
     print(f"{attn}: unpacked {unpacked:.5f}, packed {packed:.5f}, leaky {leaky:.5f}")
     assert abs(leaky - unpacked) > 2 * tolerance  # a leak is caught: the comparison below can fail
     assert packed == pytest.approx(unpacked, abs=tolerance)
+
+
+def bf16_model(tokenizer, family: str, attn: str) -> torch.nn.Module:
+    """A 2-layer bf16 model with peaked attention (initializer_range 0.3); qwen2's second layer attends within a
+    4-token window, shorter than most toy examples."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if attn == attention.VARLEN:
+        attention.register()
+    if family == "llama":
+        model = make_llama(len(tokenizer), seed=1, attn_implementation=attn, initializer_range=0.3)
+        return model.to("cuda", torch.bfloat16)
+    torch.manual_seed(1)
+    config = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  initializer_range=0.3, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                                  tie_word_embeddings=False, use_cache=False)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).to("cuda", torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("attn", ["sdpa", attention.VARLEN])
+def test_packed_bf16_eval_loss_equals_unpacked_on_gpu(tmp_path, tokenizer, monkeypatch, attn, family):
+    """Packed rows through sft (varlen: one flattened row, torch's varlen_attn) against each example alone through
+    the same attention (batch 1, no padding: varlen runs its kernel on one span), bf16."""
+    if attn == attention.VARLEN and attention.TORCH_VARLEN is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    if attn == attention.VARLEN and family == "qwen2" and not attention.kernel_style(attention.TORCH_VARLEN)[0]:
+        pytest.skip("this torch's varlen_attn has no window_size: sft refuses the window (tests/test_varlen.py)")
+    calls = []
+
+    @functools.wraps(attention.TORCH_VARLEN)  # its signature: sft picks the kernel's style from it
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return attention.TORCH_VARLEN(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "varlen_attn", counted)
+    # varlen: the same kernel on one span or several. sdpa: a masked kernel packed, an is_causal one alone, whose
+    # bf16 roundings differ (CPU bf16 proxy: up to 3e-3 on qwen2, 2e-4 on llama; the leaks are 0.5 to 0.7).
+    tolerance = 1e-3 if attn == attention.VARLEN else 5e-3
+
+    def eval_loss(data, attn, batch=2, **flags) -> float:
+        args = SFTConfig(output_dir=str(tmp_path), per_device_eval_batch_size=batch, report_to="none", tf32=False,
+                         attn_implementation=attn, **flags)
+        return SFTTrainer(model=bf16_model(tokenizer, family, attn), args=args, processing_class=tokenizer,
+                          eval_dataset=data).evaluate()["eval_loss"]
+
+    packed_rows = pack_dataset(toy_dataset(), 64)
+    leaky_rows = packed_rows.map(lambda row: {"position_ids": list(range(len(row["input_ids"]))),
+                                              "seq_lengths": [len(row["input_ids"])]})
+    alone = eval_loss(toy_dataset(), attn, batch=1)
+    sdpa = eval_loss(toy_dataset(), "sdpa", batch=1)
+    del calls[:]
+    packed = eval_loss(packed_rows, attn, eval_packing=True)
+    packed_calls = list(calls)
+    leaky = eval_loss(leaky_rows, attn, eval_packing=True)
+    style = attention.kernel_style(attention.TORCH_VARLEN) if attention.TORCH_VARLEN else None
+    print(f"{family} {attn} bf16: alone {alone:.5f} (sdpa alone {sdpa:.5f}), packed {packed:.5f}, leaky "
+          f"{leaky:.5f}; (window_size, enable_gqa, scale) {style}: packed calls {packed_calls}")
+    assert len(packed_calls) == (2 if attn == attention.VARLEN else 0)  # one flattened batch x two layers
+    if family == "qwen2" and attn == attention.VARLEN and style[0]:
+        assert [c["window_size"] for c in packed_calls] == [(-1, 0), (3, 0)]  # layer 2: the 4-token window
+    assert abs(leaky - alone) > 2 * tolerance  # a leak is caught: the comparison below can fail
+    assert packed == pytest.approx(alone, abs=tolerance)
+    assert alone == pytest.approx(sdpa, abs=2e-2)  # another kernel: bf16 rounding differs (CPU proxy: 6e-3)
+
+
+def test_varlen_recipe_trains_like_sdpa_on_gpu(tmp_path):
+    """The recipe path: packed bf16 training with attn_implementation varlen moves the weights as sdpa does, as
+    closely as eager (another exact attention, other bf16 roundings) does. CPU proxy with a per-example sdpa kernel:
+    varlen-sdpa 5e-3, eager-sdpa 6e-3; in fp32 varlen-sdpa 8e-7."""
+    if attention.TORCH_VARLEN is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    runs = {}
+    for attn in ("sdpa", "eager", attention.VARLEN):
+        recipe = write_recipe(tmp_path, attn_implementation=attn, packing=True, bf16=True, tf32=False)
+        runs[attn] = one_process(recipe, tmp_path / attn, accumulation=1)
+    varlen = max_weight_difference(runs["sdpa"], runs[attention.VARLEN])
+    eager = max_weight_difference(runs["sdpa"], runs["eager"])
+    print(f"packed bf16 SGD, max weight difference from sdpa: varlen {varlen:.2e}, eager {eager:.2e}")
+    assert varlen <= 2 * eager + 1e-4
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")

@@ -211,3 +211,21 @@ def test_recipe_loads_varlen_and_packs_flattened(tiny_model_dir, tokenizer, tmp_
     from sft.training.flows import check_packing_model
 
     check_packing_model(config)  # the flow's check: packed varlen batches are flattened, so accepted
+
+
+def test_autocast_casts_what_the_rotary_embedding_left_in_fp32(monkeypatch):
+    """bf16: true keeps fp32 weights: queries and keys leave the rotary embedding in fp32, values in bf16. The
+    kernel (no autocast of its own) must get all three in bf16, as transformers' flash path does."""
+    seen = []
+
+    def kernel(query, key, value, *args, **kwargs):
+        seen.append((query.dtype, key.dtype, value.dtype))
+        return torch.zeros_like(query)
+
+    monkeypatch.setattr(attention, "varlen_attn", kernel)
+    monkeypatch.setattr(attention, "kernel_style", lambda _: (True, True, True))
+    q = torch.randn(1, 2, 4, 8)
+    attention.varlen_attention_forward(torch.nn.Module(), q, q, q.bfloat16(), None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attention.varlen_attention_forward(torch.nn.Module(), q, q, q.bfloat16(), None)
+    assert seen == [(torch.float32, torch.float32, torch.bfloat16), (torch.bfloat16,) * 3]

@@ -81,9 +81,19 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         return masked_sdpa(module, query, key, value, attention_mask, scaling, sliding_window)
     batch, _, length, dim = query.shape
     cu_seq, max_len = boundaries(kwargs, batch, length, query.device)
+    query, key, value = autocast(query, key, value)
     out = call_kernel(flat(query), flat(key), flat(value), cu_seq, max_len,
                       scaling if scaling is not None else dim ** -0.5, sliding_window)
     return out.view(batch, length, *out.shape[1:]), None
+
+
+def autocast(*states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The states in autocast's dtype where it is on: rotary embeddings of fp32 hidden states (bf16: true keeps fp32
+    weights) hand over fp32 queries and keys with bf16 values. sdpa is cast by autocast itself; the kernel is not."""
+    device = states[0].device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+        return tuple(s.to(torch.get_autocast_dtype(device)) for s in states)
+    return states
 
 
 def flat(states: torch.Tensor) -> torch.Tensor:
