@@ -357,6 +357,34 @@ def test_negative_controls_show_cross_contamination(attn):
                 assert_same_losses(reference, examples, batch, losses)
 
 
+@pytest.mark.slow  # flex_attention compiles its kernel with inductor on CPU: about 15 s per family
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_flex_attention_packed_rows_equal_alone(family):
+    """flex_attention packs through default_collator's [B, L] rows (and padding_free's flattened row): transformers
+    builds a BlockMask from the restarting position_ids (no dense mask)."""
+    from types import SimpleNamespace
+
+    # Static shapes: inductor's CPU flex kernel for dynamic shapes, which dynamo switches to on the second shape
+    # it sees, does not compile in torch 2.13 (C++ error: `cur_kvSplitSize2` was not declared).
+    static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+
+    from sft.training.trainer import default_collator
+
+    args = SimpleNamespace(packing=True, eval_packing=None, padding_free=False, attn_implementation="flex_attention")
+    collate = default_collator(SimpleNamespace(pad_token_id=0), args)
+    assert isinstance(collate, PackedCollator)
+    model, examples = tiny_model(family, "flex_attention"), toy_examples(LENGTHS)
+    batch = collate(packed_rows(examples))
+    leaky = dict(batch, position_ids=torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"]))
+    with torch.no_grad(), static:
+        reference = alone(model, examples)
+        assert_same_losses(reference, examples, batch, token_losses(model, batch))
+        flat = PaddingFreeCollator()(examples)
+        assert_same_losses(reference, examples, flat, token_losses(model, flat))
+        with pytest.raises(AssertionError):  # negative control: boundaries erased, the same rows leak
+            assert_same_losses(reference, examples, batch, token_losses(model, leaky))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Which families isolate packed examples
 # ---------------------------------------------------------------------------------------------------------------
