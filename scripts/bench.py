@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu.add_argument("--method", choices=("full", "lora", "qlora"), default="full")
     gpu.add_argument("--checkpointing", choices=("on", "off"), default="off", help="gradient checkpointing, all tools")
     gpu.add_argument("--tools", default="sft,trl,plain", help="comma-separated: sft, trl, plain, sft-liger (sft with "
-                     "Liger's fused linear cross-entropy), sft_syncs (sft with 4 host syncs per micro-step put back: "
+                     "Liger's fused linear cross-entropy), sft-varlen / sft-flex (sft with attn_implementation "
+                     "varlen, CUDA only, or flex_attention instead of sdpa), sft_syncs (sft with 4 host syncs per micro-step put back: "
                      "their cost)")
     gpu.add_argument("--liger", choices=("auto", "off"), default="auto", help="trl: use_liger_kernel where it imports")
     gpu.add_argument("--suite", choices=("issue19", "issue19-full", "issue19-8b"), help="a fixed set of jobs")

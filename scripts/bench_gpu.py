@@ -32,10 +32,13 @@ MODELS = {  # name: (key of sft's architecture table, tokenizer fixture)
 }
 # The CPU check's shape: the Qwen2.5 family shrunk (the real tokenizer's vocabulary is kept).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-TOOLS = ("sft", "trl", "plain", "sft_syncs", "sft-liger")
+TOOLS = ("sft", "trl", "plain", "sft_syncs", "sft-liger", "sft-varlen", "sft-flex")
 # sft runs with recipe overrides (tool: keys), compared with `sft` as trl and plain are ("sft/sft-liger tokens_per_s").
 # sft-liger: Liger's fused linear cross-entropy at the trained positions; where Liger cannot run, a recorded failure.
-SFT_TOOLS = {"sft": {}, "sft-liger": {"loss_kernel": "liger"}}
+# sft-varlen: torch's varlen_attn (CUDA only) on flattened packed rows; sft-flex: transformers' BlockMask from
+# position_ids (`sft` runs sdpa).
+SFT_TOOLS = {"sft": {}, "sft-liger": {"loss_kernel": "liger"}, "sft-varlen": {"attn_implementation": "varlen"},
+             "sft-flex": {"attn_implementation": "flex_attention"}}
 WARMUP = 2
 # The adapter and 4-bit settings of the shipped 8B recipes (recipes/llama-3.1-8b-instruct/{lora,qlora}.yaml).
 LORA = dict(r=16, alpha=32, dropout=0.05)
@@ -207,7 +210,8 @@ def sft_trainer(spec: dict, callback, extra: dict | None = None):
     recipe = common_args(spec) | {
         "model_name_or_path": str(workdir / "model"), "dataset": str(workdir / "data.jsonl"),
         "dataset_format": "prompt_completion", "max_length": spec["max_length"], "packing": spec["packing"],
-        "dtype": "bfloat16" if spec["device"] == "cuda" else "float32", "attn_implementation": "sdpa",
+        "dtype": "bfloat16" if spec["device"] == "cuda" else "float32",
+        "attn_implementation": "sdpa",
         "gradient_checkpointing": spec["checkpointing"], "use_peft": peft, "load_in_4bit": spec["method"] == "qlora"}
     if peft:
         recipe |= {"lora_r": LORA["r"], "lora_alpha": LORA["alpha"], "lora_dropout": LORA["dropout"]}
@@ -320,7 +324,7 @@ def ratios(runs: dict, peak: float) -> dict:
         if "model_flops_per_s" in run:
             run["mfu"] = run["model_flops_per_s"] / peak
     out, sft = {}, runs.get("sft", {})
-    for other in ("trl", "plain", "sft_syncs", *(tool for tool in SFT_TOOLS if tool != "sft")):
+    for other in [tool for tool in runs if tool != "sft"]:
         base = runs.get(other, {})
         for key in ("tokens_per_s", "mfu", "peak_memory_bytes", "time_to_first_step_s"):
             if sft.get(key) and base.get(key):
@@ -339,7 +343,10 @@ def run_job(job: Job, args, root: Path, peak: float, deadline: float) -> dict:
     spec = asdict(job) | {"workdir": str(workdir), "device": args.device, "max_length": args.max_length,
                           "packing": args.packing != "off", "liger": args.liger == "auto"}
     for tool in args.tools.split(","):
-        result["runs"][tool] = spawn(spec | {"tool": tool}, deadline - time.time())
+        if tool == "sft-varlen" and args.device != "cuda":
+            result["runs"][tool] = {"tool": tool, "error": "skipped: varlen_attn runs on CUDA only"}
+        else:
+            result["runs"][tool] = spawn(spec | {"tool": tool}, deadline - time.time())
         print(f"  {job.model} {job.method} {tool}: {result['runs'][tool].get('tokens_per_s', 'failed')}",
               file=sys.stderr)
     result["ratios"] = ratios(result["runs"], peak)
@@ -349,15 +356,15 @@ def run_job(job: Job, args, root: Path, peak: float, deadline: float) -> dict:
 def table(results: dict) -> str:
     lines = [f"matmul peak measured (bf16 on GPU, fp32 on CPU): {results['peak_flops'] / 1e12:.2f} TFLOP/s "
              f"({results['device_name']}); peak GB: torch.cuda.max_memory_allocated (CPU: process peak RSS)",
-             f"{'model':<14}{'method':<7}{'tool':<10}{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
-             f"{'loss':>8}  sft/tool tok/s", "-" * 94]
+             f"{'model':<14}{'method':<7}{'tool':<11}{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
+             f"{'loss':>8}  sft/tool tok/s", "-" * 95]
     for job in results["jobs"]:
         if "skipped" in job:
             lines.append(f"{job['job']['model']:<14}{job['job']['method']:<7}skipped: {job['skipped']}")
         for tool, run in job.get("runs", {}).items():
-            head = f"{job['job']['model']:<14}{job['job']['method']:<7}{tool:<10}"
+            head = f"{job['job']['model']:<14}{job['job']['method']:<7}{tool:<11}"
             if "error" in run:
-                lines.append(head + "failed: " + run["error"].strip().splitlines()[-1][:60])
+                lines.append(head + "failed: " + error_line(run["error"])[:60])
                 continue
             memory = run["peak_memory_bytes"] / 1e9
             ratio = job["ratios"].get(f"sft/{tool} tokens_per_s")
@@ -365,6 +372,12 @@ def table(results: dict) -> str:
                          f"{run['time_to_first_step_s']:>11.1f}{run['final_loss']:>8.3f}"
                          + (f"  {ratio:.2f}x" if ratio else ""))
     return "\n".join(lines)
+
+
+def error_line(stderr: str) -> str:
+    """The exception line of a failed run's stderr (a progress bar may come after it), else its last line."""
+    lines = stderr.strip().splitlines() or [""]
+    return next((line for line in reversed(lines) if "Error:" in line or "Exception:" in line), lines[-1])
 
 
 def main(args) -> None:
