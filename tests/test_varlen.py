@@ -14,6 +14,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from sft import SFTConfig, SFTTrainer
+from sft.cli.main import main
 from sft.data.boundaries import spans
 from sft.data.collators import PackedCollator, PaddingFreeCollator
 from sft.data.packing import pack_dataset
@@ -23,7 +24,7 @@ from sft.models.families import VARLEN, check_packing_supported, flattened_batch
 from sft.models.loading import load_model
 from sft.training.trainer import default_collator
 
-from conftest import make_llama
+from conftest import REPO, make_llama
 
 TOLERANCE = 1e-5  # fp32
 
@@ -229,3 +230,28 @@ def test_autocast_casts_what_the_rotary_embedding_left_in_fp32(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         attention.varlen_attention_forward(torch.nn.Module(), q, q, q.bfloat16(), None)
     assert seen == [(torch.float32, torch.float32, torch.bfloat16), (torch.bfloat16,) * 3]
+
+
+def test_saved_model_and_sft_check_do_not_need_the_kernel(tiny_model_dir, tokenizer, tmp_path):
+    """A model saved from a varlen run loads anywhere (sft generate / chat get the default sdpa: the config does not
+    keep the attention), and sft check's fp32 smoke run swaps varlen for sdpa, saying so."""
+    from sft.check.smoke import CheckReport, cpu_overrides
+
+    config = SFTConfig(output_dir=str(tmp_path), model_name_or_path=str(tiny_model_dir), attn_implementation=VARLEN,
+                       packing=True, use_cpu=True, report_to="none")
+    load_model(config, tokenizer).save_pretrained(tmp_path / "saved")
+    assert VARLEN not in (tmp_path / "saved" / "config.json").read_text()
+    report = CheckReport(recipe="r.yaml")
+    assert cpu_overrides(config, report, tmp_path)["attn_implementation"] == "sdpa"
+    assert f"attn_implementation={VARLEN}" in report.skipped
+
+
+def test_sft_check_accepts_a_packed_varlen_recipe(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # the quickstart names data/ paths relative to the repository
+    recipe = tmp_path / "varlen.yaml"
+    text = (REPO / "recipes" / "quickstart.yaml").read_text()
+    recipe.write_text("\n".join(line for line in text.splitlines() if not line.startswith(("packing:", "attn_")))
+                      + f"\nattn_implementation: {VARLEN}\npacking: true\n")
+    assert main(["check", str(recipe)]) == 0, capsys.readouterr().err[-2000:]
+    out = capsys.readouterr().out
+    assert "OK: the recipe is sound." in out and f"attn_implementation={VARLEN}" in out
