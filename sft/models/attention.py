@@ -31,7 +31,7 @@ HALF = (torch.bfloat16, torch.float16)
 
 
 def _torch_kernel() -> Callable | None:
-    """torch's varlen_attn, or None where this torch has none (before 2.9)."""
+    """torch's varlen_attn, or None where this torch has none (older releases)."""
     try:
         from torch.nn.attention.varlen import varlen_attn as kernel
     except ImportError:
@@ -57,8 +57,8 @@ def kernel_style(kernel: Callable) -> tuple[bool, bool, bool]:
 def register() -> None:
     """Make `attn_implementation="varlen"` loadable (idempotent)."""
     if TORCH_VARLEN is None:
-        raise SFTError(f"attn_implementation {VARLEN} needs torch.nn.attention.varlen (torch >= 2.10); this torch is "
-                       f"{torch.__version__}. Use sdpa.")
+        raise SFTError(f"attn_implementation {VARLEN} needs torch.nn.attention.varlen, which this torch "
+                       f"({torch.__version__}) does not have. Use sdpa, or a newer torch.")
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     # Flash attention's mask: None without padding (packed-sequence detection needs no [L, L] mask here), else the
     # 2D padding mask, so a padded batch is never run as if it were unpadded.
