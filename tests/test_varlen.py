@@ -186,7 +186,7 @@ def test_a_window_the_old_kernel_lacks_is_refused(monkeypatch):
     assert attention.call_kernel(q, q, q, cu_seq, 20, 8 ** -0.5, 32).shape == q.shape  # a window never reached
 
 
-def test_refusals():
+def test_refusals(monkeypatch):
     module = torch.nn.Module()
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(SFTError, match="no attention dropout"):
@@ -196,6 +196,9 @@ def test_refusals():
     if attention.TORCH_VARLEN is not None:  # the real kernel on CPU: a clear error, not aten's dispatch failure
         with pytest.raises(SFTError, match="needs a CUDA GPU and bf16"):
             attention.varlen_attention_forward(module, q, q, q, None)
+    monkeypatch.setattr(attention, "TORCH_VARLEN", None)
+    with pytest.raises(SFTError, match="needs torch.nn.attention.varlen"):
+        attention.register()
 
 
 def test_recipe_loads_varlen_and_packs_flattened(tiny_model_dir, tokenizer, tmp_path):
