@@ -1,6 +1,6 @@
 """What only a GPU proves: bf16 end to end, packed == unpacked with sdpa, flash and torch varlen kernels (sft's
-attn_implementation varlen), QLoRA, FSDP2 with the chunked loss on one GPU, and inductor compile. Skipped without CUDA; run with `pytest -m gpu` on the lent
-machine (../shared/gpu/README.md)."""
+attn_implementation varlen), QLoRA, FSDP2 with the chunked loss on one GPU, inductor compile and Liger's fused
+linear cross-entropy. Skipped without CUDA; run with `pytest -m gpu` on the lent machine (BENCHMARKS.md, "GPU")."""
 
 import functools
 import importlib.util
