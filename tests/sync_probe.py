@@ -82,7 +82,9 @@ def _frames() -> list[tuple[str, int, str]]:
         path = Path(frame.filename).resolve()
         if path == HERE or TORCH_DIR in path.parents:
             continue
-        name = str(path.relative_to(REPO)) if REPO in path.parents else "/".join(path.parts[-2:])
+        # installed packages by their last two parts, also from a virtual environment inside the checkout (CI's .venv)
+        ours = REPO in path.parents and "site-packages" not in path.parts
+        name = str(path.relative_to(REPO)) if ours else "/".join(path.parts[-2:])
         out.append((name, frame.lineno, frame.name))
     return out
 

@@ -1,6 +1,8 @@
 """torch_compile on CPU compiles the module that computes the training loss (the chunked forward runs inside the
 compiled model), with the eager loss; label smoothing goes through the same forward as transformers' smoother."""
 
+import math
+
 import pytest
 import torch
 from test_loss import batch
@@ -89,3 +91,42 @@ def test_trainer_hands_label_smoothing_to_the_chunked_forward(tmp_path, tokenize
     assert smoothed_calls == [("LlamaForCausalLM", 1)] * 2  # the smoothed loss came from the chunked forward
     assert unchunked_calls == [("LlamaForCausalLM", 0)] * 2  # transformers' LabelSmoother, no chunked forward
     assert smoothed == pytest.approx(unchunked, abs=1e-4) and smoothed[0] != pytest.approx(plain[0], abs=1e-3)
+
+
+def compiled_graph_ops(chunks: int, monkeypatch) -> tuple[int, float]:
+    """Calls dynamo captured for one chunked training forward + backward of a tiny Llama whose trained rows span
+    `chunks` chunks of the loss, and the loss."""
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sft.training import loss as loss_module
+
+    monkeypatch.setattr(loss_module, "MIN_CHUNK_ROWS", 8)
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 8 * 512)  # 8 rows per chunk at vocabulary 512
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=512))
+    assert loss_module.attach_chunked_loss(model)
+    torch._dynamo.reset()
+    counters.clear()
+    ids = torch.randint(0, 512, (1, 8 * chunks + 1))
+    loss = torch.compile(model, backend="eager")(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return counters["stats"]["calls_captured"], float(loss.detach())
+
+
+def test_compiled_forward_keeps_the_chunk_loop_out_of_the_graph(monkeypatch):
+    """torch_compile must not trace the loss's chunk loop: dynamo would unroll it, and compile time would grow with
+    the chunk count (64-128 chunks at real shapes). The captured graph is the same for 2 and 8 chunks."""
+    few, few_loss = compiled_graph_ops(2, monkeypatch)
+    many, many_loss = compiled_graph_ops(8, monkeypatch)
+    assert few == many and math.isfinite(few_loss) and math.isfinite(many_loss)
+
+    # negative control: with the loss traced (as before), the graph grows with every chunk
+    from sft.training import loss as loss_module
+
+    monkeypatch.setattr(loss_module, "eager_linear_cross_entropy", loss_module.LinearCrossEntropy.apply)
+    traced_few, _ = compiled_graph_ops(2, monkeypatch)
+    traced_many, _ = compiled_graph_ops(8, monkeypatch)
+    assert traced_many > traced_few  # the unrolled chunk loop: the traced calls grow with every chunk
+    torch._dynamo.reset()

@@ -80,8 +80,8 @@ class SFTConfig(Seq2SeqTrainingArguments):
     dataloader_num_workers: int = _help(
         "Processes that fetch and collate batches beside training (0: between steps, in the training process). sft's "
         "collators take ~1.3 ms for 8 packed rows of 2048 tokens and fetching them ~0.9 ms (scripts/bench_collate.py),"
-        " under 1% of a GPU step; a worker saves only ~1 ms of that, as receiving its batch costs ~2 ms. Worth it for "
-        "slow custom collators.", 0)
+        " under 1 percent of a GPU step; a worker saves only ~1 ms of that, as receiving its batch costs ~2 ms. "
+        "Worth it for slow custom collators.", 0)
     logging_nan_inf_filter: bool = _help("Replace NaN/inf losses in the logs by the running mean. Off: it reads every "
                                          "micro-step's loss on the host (a GPU sync per micro-step), and training "
                                          "stops at the first non-finite loss anyway (a diverged step is an error).",

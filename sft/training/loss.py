@@ -178,10 +178,11 @@ def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: 
         if liger is not None and picked_targets.numel():  # no trained row: sft's own gives the zero loss and gradients
             return TrainedTokensOutput(loss=liger_loss(liger, picked_hidden, weight, picked_targets, normalizer,
                                                        smoothing))
-        loss = LinearCrossEntropy.apply(picked_hidden, weight, picked_targets, normalizer, chunk, smoothing)
+        loss = eager_linear_cross_entropy(picked_hidden, weight, picked_targets, normalizer, chunk, smoothing)
         return TrainedTokensOutput(loss=loss)
     token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
-    token_losses.view(-1).index_copy_(0, index, chunked_token_losses(picked_hidden, weight, picked_targets, chunk))
+    picked_losses = eager_token_losses(picked_hidden, weight, picked_targets, chunk)
+    token_losses.view(-1).index_copy_(0, index, picked_losses)
     return TrainedTokensOutput(loss=token_losses.sum() / normalizer, token_losses=token_losses)
 
 
@@ -217,6 +218,14 @@ def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         logits = (hidden[start:start + chunk] @ weight.T).float()
         out[start:start + chunk] = F.cross_entropy(logits, targets[start:start + chunk], reduction="none")
     return out
+
+
+# Under torch_compile the model's forward is compiled, and this loss with it unless kept out: dynamo unrolls the
+# chunk loop, so compile time grows with the chunk count (32 chunks of a tiny Llama on CPU: first step 74 s compiled
+# in, 13 s kept out; 64-128 chunks at 0.5B-8B shapes and 8 x 2048 tokens), while each chunk is matmuls and an exp
+# that compiling does not speed up. So the loss runs eagerly inside a compiled forward (one graph break).
+eager_linear_cross_entropy = torch.compiler.disable(LinearCrossEntropy.apply)
+eager_token_losses = torch.compiler.disable(chunked_token_losses)
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
