@@ -11,8 +11,6 @@ scripts/gpu_carry.py's .gpu/fixtures).
 """
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -24,16 +22,14 @@ from transformers import DataCollatorWithFlattening
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_packing import FIXTURES, load_tokenized
+
 from sft.data.boundaries import spans
 from sft.data.collators import HostCount, PackedCollator, PaddingFreeCollator, example_row
-from sft.data.encode import Encoding
-from sft.data.formats import render_alpaca
 from sft.data.packing import pack_dataset
 
 datasets.disable_progress_bars()
 
-FIXTURES = Path(os.environ.get("SFT_FIXTURES", REPO.parent / "shared" / "fixtures"))  # as tests/conftest.py
-DATA = FIXTURES / "alpaca" / "alpaca_data_1k.json"
 TOKENIZER = FIXTURES / "tokenizers" / "qwen2.5-coder-3b-instruct"
 
 
@@ -42,11 +38,8 @@ def packed_rows(max_length: int) -> datasets.Dataset:
     packed into rows of max_length; the columns the Trainer keeps (seq_lengths is not a forward argument)."""
     from transformers import AutoTokenizer
 
-    records = json.loads(DATA.read_text(encoding="utf-8")) * 4
-    rendered = [render_alpaca(r, str(DATA), i, completion_only=True) for i, r in enumerate(records)]
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    enc = Encoding(tokenizer, max_length=max_length).encode(rendered)
-    tokenized = datasets.Dataset.from_dict({"input_ids": enc["input_ids"], "labels": enc["labels"]})
+    tokenized = load_tokenized(4000, max_length, tokenizer)
     return pack_dataset(tokenized, max_length).remove_columns("seq_lengths"), tokenizer.pad_token_id
 
 

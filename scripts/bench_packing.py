@@ -6,7 +6,6 @@ Needs ../shared/fixtures (the 1k Alpaca sample and the Mistral-7B-Instruct-v0.3 
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -17,27 +16,29 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import ALPACA as DATA  # noqa: E402
+from bench import FIXTURES  # noqa: E402
+
 from sft.data.bins import best_fit_decreasing, n_bins, pack_bins  # noqa: E402
 from sft.data.encode import Encoding  # noqa: E402
 from sft.data.formats import render_alpaca  # noqa: E402
 from sft.data.packing import pack_dataset_with_stats  # noqa: E402
 
 datasets.disable_progress_bars()
-
-FIXTURES = Path(os.environ.get("SFT_FIXTURES", REPO.parent / "shared" / "fixtures"))  # as tests/conftest.py
-DATA = FIXTURES / "alpaca" / "alpaca_data_1k.json"
 TOKENIZER = FIXTURES / "tokenizers" / "mistral-7b-instruct-v0.3"
 
 
-def load_tokenized(rows: int, max_length: int) -> datasets.Dataset:
-    """Alpaca rows replicated to `rows`, rendered with the Stanford templates, tokenized with labels (not truncated)."""
+def load_tokenized(rows: int, max_length: int, tokenizer=None) -> datasets.Dataset:
+    """Alpaca rows replicated to `rows`, rendered with the Stanford templates, tokenized with labels (not truncated)
+    by `tokenizer` (default: the TOKENIZER folder's)."""
     from transformers import AutoTokenizer
 
     records = json.loads(DATA.read_text(encoding="utf-8"))
     records = (records * -(-rows // len(records)))[:rows]
     rendered = [render_alpaca(r, str(DATA), i, completion_only=True) for i, r in enumerate(records)]
     # The packer truncates or splits, so tokenize without a cut: limit far above any Alpaca row.
-    enc = Encoding(AutoTokenizer.from_pretrained(TOKENIZER), max_length=max_length * 1000).encode(rendered)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(TOKENIZER)
+    enc = Encoding(tokenizer, max_length=max_length * 1000).encode(rendered)
     return datasets.Dataset.from_dict({"input_ids": enc["input_ids"], "labels": enc["labels"]})
 
 
