@@ -28,22 +28,22 @@ class FakeSession:
             raise self.error
 
 
-@pytest.fixture
-def online(monkeypatch):
-    """Offline mode off, the probe's answer forgotten before and after the test."""
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+def hub_mode(monkeypatch, offline: bool):
+    """HF_HUB_OFFLINE set to `offline`, the probe's answer forgotten before and after the test."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
     hub.hub_reachable.cache_clear()
     yield
     hub.hub_reachable.cache_clear()
+
+
+@pytest.fixture
+def online(monkeypatch):
+    yield from hub_mode(monkeypatch, offline=False)
 
 
 @pytest.fixture
 def offline(monkeypatch):
-    """Offline mode on, the probe's answer forgotten before and after the test."""
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    hub.hub_reachable.cache_clear()
-    yield
-    hub.hub_reachable.cache_clear()
+    yield from hub_mode(monkeypatch, offline=True)
 
 
 def use_session(monkeypatch, session: FakeSession) -> FakeSession:
