@@ -402,9 +402,12 @@ def family_config(model_type: str):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def leak(model_type: str) -> float:
-    """Largest logit difference between three examples packed in one row and each run alone (sdpa, else eager)."""
+def leak(model_type: str, **overrides) -> float:
+    """Largest logit difference between three examples packed in one row and each run alone (sdpa, else eager);
+    `overrides` set config fields (a variant of the family)."""
     config = family_config(model_type)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     torch.manual_seed(0)
     try:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
@@ -424,6 +427,13 @@ def test_supported_families_isolate_packed_examples(model_type):
     # sdpa where the family has it, else eager (both go through the same sdpa_mask builder)
     check_packing_supported(family_config(model_type), "sdpa")
     assert leak(model_type) < 1e-5
+
+
+def test_falcon_alibi_variant_isolates_packed_examples():
+    """falcon's table row covers its ALiBi variant (falcon-rw): the bias is slope x absolute key position, the same
+    shift for every key of a query within one example, so the block-diagonal mask from position_ids suffices."""
+    assert leak("falcon", alibi=True) < 1e-5
+    assert leak("falcon", alibi=True, new_decoder_architecture=True, num_kv_heads=2) < 1e-5
 
 
 @pytest.mark.parametrize("model_type", packing_families(False))

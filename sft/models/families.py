@@ -57,8 +57,9 @@ FAMILIES = {
     "olmo": Family(plain_head=True),
     **{name: _decoder() for name in (
         "ministral", "gemma3_text", "phi", "gpt_bigcode", "gptj", "codegen", "olmo3", "granite", "granitemoe",
-        "cohere", "cohere2", "stablelm", "smollm3", "glm4", "exaone4", "llama4_text")},
-    **{name: Family(packing=False) for name in ("opt", "bloom", "mpt", "falcon", "gpt_oss")},
+        "cohere", "cohere2", "stablelm", "smollm3", "glm4", "exaone4", "llama4_text",
+        "falcon")},  # falcon: its mask takes position_ids since transformers 5.24 (rotary and ALiBi alike)
+    **{name: Family(packing=False) for name in ("opt", "bloom", "mpt", "gpt_oss")},
     "t5": Family(wrap=("T5Block",)),
     "bart": Family(wrap=("BartEncoderLayer", "BartDecoderLayer")),
 }
