@@ -3,8 +3,9 @@ or `sft launch` (tests/test_ddp.py).
 
 Each rank writes batches-rank{R}.json into output_dir: the world size and parallel mode the Trainer saw, the class
 of the module training called (DistributedDataParallel, DeepSpeedEngine, ...), the input_ids of every training
-micro-batch, how many training forwards computed the chunked trained-positions loss, and the dtypes of the
-trainable parameters after training (the optimizer's master weights).
+micro-batch, how many training forwards computed the chunked trained-positions loss, the dtypes of the
+trainable parameters after training (the optimizer's master weights) and how many of the model's modules were
+compiled in place (torch_compile).
 """
 
 import json
@@ -37,7 +38,9 @@ def recording_train(self, *args, **kwargs):
         return train(self, *args, **kwargs)
     finally:
         RECORD.update(world_size=self.args.world_size, parallel_mode=str(self.args.parallel_mode),
-                      trainable_dtypes=sorted({str(p.dtype) for p in self.model.parameters() if p.requires_grad}))
+                      trainable_dtypes=sorted({str(p.dtype) for p in self.model.parameters() if p.requires_grad}),
+                      compiled_modules=sum(getattr(m, "_compiled_call_impl", None) is not None
+                                           for m in self.model.modules()))
         out = Path(self.args.output_dir) / f"batches-rank{self.args.process_index}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(RECORD))

@@ -53,13 +53,13 @@ def tokenizer():
 
 
 def make_llama(vocab_size: int, seed: int = 0, **overrides):
-    """A 2-layer Llama with hidden size 32, random init from `seed`, fp32."""
+    """A 2-layer Llama with hidden size 32 (`overrides` change its config), random init from `seed`, fp32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False, use_cache=False, **overrides)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, use_cache=False)
+    config = LlamaConfig(vocab_size=vocab_size, **(shape | overrides))
     return LlamaForCausalLM(config).float()
 
 

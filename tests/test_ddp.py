@@ -118,6 +118,17 @@ def test_torchrun_is_data_parallel_and_equals_one_process(ddp_run, single, recip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
+def test_torchrun_with_torch_compile_compiles_each_block_and_equals_one_process(single, recipe, tmp_path):
+    out = tmp_path / "compiled"
+    # dynamo's eager backend: the graphs are captured and run as traced (inductor's codegen is the slow tier's)
+    run(torchrun("train", recipe, "--output_dir", out, "--torch_compile", "true", "--torch_compile_backend", "eager"))
+    assert_data_parallel(out, "DistributedDataParallel")  # DDP around the model, not around a compiled wrapper
+    layers = json.loads((EMBEDDED_MODEL / "config.json").read_text())["num_hidden_layers"]
+    assert all(json.loads((out / f"batches-rank{r}.json").read_text())["compiled_modules"] == layers for r in (0, 1))
+    assert max_weight_difference(out, single) < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
 def test_two_process_eval_loss_drops_the_rows_repeated_to_even_out_batches(ddp_run, single):
     # 5 eval rows over 2 processes x 2 rows: accelerate repeats 3 rows in the last batch
     assert eval_loss(ddp_run) == pytest.approx(eval_loss(single), abs=1e-5)

@@ -165,7 +165,8 @@ class PromptGenerator:
         prompts = [self.prompt_ids(e) for e in examples]
         ids, mask = pad_prompts(prompts, self.tokenizer.pad_token_id,
                                 left=not self.encoder_decoder, device=device)
-        with torch.no_grad(), full_parameters(self.model):
+        # Eager even where torch_compile compiled the blocks: a KV cache that grows each token would recompile them.
+        with torch.no_grad(), full_parameters(self.model), torch.compiler.set_stance("force_eager"):
             output = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.config,
                                          synced_gpus=self.synced_gpus)
         per_prompt = self.config.num_return_sequences or 1

@@ -4,6 +4,7 @@ the Trainer's hooks and hands each concern to the object that owns it: the token
 (checkpoints), throughput logs (throughput) and generation-based evaluation (sft.evaluation.predict)."""
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from transformers import (
 from sft.data.collators import TRAINED_TARGETS, HostCount, PackedCollator, PaddingFreeCollator
 from sft.data.encode import IGNORE_INDEX
 from sft.evaluation.predict import GenerationEval
+from sft.models.compilation import compile_blocks, repeated_blocks
 from sft.models.families import flattened_batches
 from sft.training import checkpoints
 from sft.training.checkpoints import CheckpointStaging
@@ -45,6 +47,15 @@ def default_collator(tokenizer: PreTrainedTokenizerBase, args: Any) -> Any:
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
 
 
+def compiles_blocks(model: nn.Module | None, args: Any) -> bool:
+    """Whether torch_compile compiles the model's repeated blocks in place (sft.models.compilation) rather than
+    accelerate the whole model: on one process or DDP, for a model with repeated blocks. FSDP and DeepSpeed keep
+    accelerate's compile, which knows their wrappers."""
+    sharded = bool(args.fsdp or args.deepspeed or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+                   or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true")
+    return bool(args.torch_compile and model is not None and not sharded and repeated_blocks(model))
+
+
 class SFTMixin:
     """The SFT layer shared by SFTTrainer and Seq2SeqSFTTrainer: the Trainer's hooks, each delegating to the object
     of one concern, built once per trainer."""
@@ -53,11 +64,23 @@ class SFTMixin:
                  data_collator: Any = None, **kwargs: Any) -> None:
         if data_collator is None and processing_class is not None:
             data_collator = default_collator(processing_class, args)
+        self.compiles_blocks = compiles_blocks(model, args)  # read while the Trainer builds its accelerator
         super().__init__(model=model, args=args, processing_class=processing_class,
                          data_collator=data_collator, **kwargs)
         self._init_sft()
 
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        """The Trainer's accelerator arguments; where sft compiles the blocks, accelerate compiles nothing."""
+        args = super()._build_accelerator_args(**kwargs)
+        if self.compiles_blocks:
+            from accelerate.utils import TorchDynamoPlugin
+
+            args["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return args
+
     def _init_sft(self) -> None:
+        if self.compiles_blocks:
+            compile_blocks(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
         self.token_loss = TokenLoss(self.model, getattr(self.args, "chunked_loss", True),
                                     self.args.label_smoothing_factor, getattr(self.args, "loss_kernel", "auto"),
                                     self.args.device)
