@@ -32,13 +32,36 @@ MODELS = {  # name: (key of sft's architecture table, tokenizer fixture)
 }
 # The CPU check's shape: the Qwen2.5 family shrunk (the real tokenizer's vocabulary is kept).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-TOOLS = ("sft", "trl", "plain", "sft_syncs", "sft-liger", "sft-varlen", "sft-flex")
-# sft runs with recipe overrides (tool: keys), compared with `sft` as trl and plain are ("sft/sft-liger tokens_per_s").
-# sft-liger: Liger's fused linear cross-entropy at the trained positions; where Liger cannot run, a recorded failure.
-# sft-varlen: torch's varlen_attn (CUDA only) on flattened packed rows; sft-flex: transformers' BlockMask from
-# position_ids (`sft` runs sdpa).
-SFT_TOOLS = {"sft": {}, "sft-liger": {"loss_kernel": "liger"}, "sft-varlen": {"attn_implementation": "varlen"},
-             "sft-flex": {"attn_implementation": "flex_attention"}}
+# A tool is a base and optional '-'-joined modifiers: "sft-varlen-compile" is sft with attn_implementation varlen and
+# torch_compile; "trl-flex" is TRL with flex_attention. Ratios are `sft/<tool>` (below 1: the tool is faster than sft's
+# default), and the best sft and trl runs of a job are compared as well.
+BASES = ("sft", "trl", "plain", "sft_syncs")
+MODIFIERS = {
+    # sft runs sdpa and its chunked loss; varlen: torch's varlen_attn (CUDA only) on flattened packed rows; flex:
+    # transformers' BlockMask from position_ids; liger: Liger's fused linear cross-entropy at the trained positions
+    # (where Liger cannot run, a recorded failure); compile: each decoder block compiled in place.
+    "sft": {"varlen": {"attn_implementation": "varlen"}, "flex": {"attn_implementation": "flex_attention"},
+            "liger": {"loss_kernel": "liger"}, "compile": {"torch_compile": True}},
+    # trl on sdpa flattens each padding-free batch into one row, so sdpa gets one [T, T] block mask over the whole
+    # batch (8 x 2048 tokens: 16,384^2, no block skipped); flex: transformers' BlockMask skips the blocks between
+    # examples (TRL's best isolating attention where no flash-attn package is installed); compile: torch_compile.
+    "trl": {"flex": {"attn_implementation": "flex_attention"}, "compile": {"torch_compile": True}},
+}
+
+
+def tool_settings(tool: str) -> tuple[str, dict]:
+    """(base, settings) of a tool name; SystemExit naming the choices for an unknown base or modifier."""
+    base, *modifiers = tool.split("-")
+    known = MODIFIERS.get(base, {})
+    settings = [known.get(m) for m in modifiers]
+    attentions = [s["attn_implementation"] for s in settings if s and "attn_implementation" in s]
+    if base not in BASES or None in settings or len(set(modifiers)) < len(modifiers) or len(attentions) > 1:
+        choices = "; ".join(f"{b}-{'|'.join(m)}" for b, m in MODIFIERS.items())
+        raise SystemExit(f"unknown tool {tool!r}: a base ({', '.join(BASES)}) and '-'-joined modifiers, each once "
+                         f"and one attention at most ({choices})")
+    return base, {key: value for setting in settings for key, value in setting.items()}
+
+
 WARMUP = 2
 # The adapter and 4-bit settings of the shipped 8B recipes (recipes/llama-3.1-8b-instruct/{lora,qlora}.yaml).
 LORA = dict(r=16, alpha=32, dropout=0.05)
@@ -100,8 +123,16 @@ def build_model(model: str, device: str, folder: Path) -> dict:
 
 # ---- one measured run (worker process) ----
 
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (torch_compile; flex_attention compiles its kernel too)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def clock_callback(spec: dict, record: dict):
-    """Trainer callback: wall time at the end of every optimizer step (GPU synchronised) and the logged losses."""
+    """Trainer callback: wall time at the end of every optimizer step (GPU synchronised), the logged losses, and the
+    graphs compiled by the end of the warm-up."""
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
@@ -110,6 +141,8 @@ def clock_callback(spec: dict, record: dict):
                 import torch
                 torch.cuda.synchronize()  # one sync per optimizer step: step ends are real, not queued
             record["ends"].append(time.time())
+            if len(record["ends"]) == WARMUP:
+                record["graphs_at_warmup"] = compiled_graphs()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -173,7 +206,7 @@ def load_model(spec: dict):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
-    kwargs = {"dtype": dtype, "attn_implementation": "sdpa"}
+    kwargs = {"dtype": dtype, "attn_implementation": spec.get("settings", {}).get("attn_implementation", "sdpa")}
     if spec["method"] == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
@@ -215,7 +248,7 @@ def sft_trainer(spec: dict, callback, extra: dict | None = None):
         "gradient_checkpointing": spec["checkpointing"], "use_peft": peft, "load_in_4bit": spec["method"] == "qlora"}
     if peft:
         recipe |= {"lora_r": LORA["r"], "lora_alpha": LORA["alpha"], "lora_dropout": LORA["dropout"]}
-    config = load_recipe(recipe | SFT_TOOLS.get(spec["tool"], {}) | (extra or {}))
+    config = load_recipe(recipe | spec.get("settings", {}) | (extra or {}))
     tokenizer = load_tokenizer(config)
     train, _ = prepare_splits(config, tokenizer)
     stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows)
@@ -236,7 +269,8 @@ def trl_trainer(spec: dict, callback):
     liger = spec["liger"] and spec["device"] == "cuda" and importlib.util.find_spec("liger_kernel") is not None
     config = SFTConfig(**common_args(spec), max_length=spec["max_length"], packing=spec["packing"],
                        padding_free=spec["packing"], use_liger_kernel=liger,
-                       gradient_checkpointing=spec["checkpointing"])
+                       gradient_checkpointing=spec["checkpointing"],
+                       torch_compile=spec.get("settings", {}).get("torch_compile", False))
     data = datasets.load_dataset("json", data_files=str(workdir / "data.jsonl"), split="train")
     return SFTTrainer(model=load_model(spec), args=config, train_dataset=data,
                       processing_class=AutoTokenizer.from_pretrained(workdir / "model"),
@@ -281,7 +315,8 @@ def worker(spec: dict) -> dict:
 
     sys.path.insert(0, str(REPO))
     record = {"ends": [], "losses": [], "inputs": []}
-    build = {"sft_syncs": sft_syncs_trainer, "trl": trl_trainer, "plain": plain_trainer}.get(spec["tool"], sft_trainer)
+    base, spec["settings"] = tool_settings(spec["tool"])
+    build = {"sft_syncs": sft_syncs_trainer, "trl": trl_trainer, "plain": plain_trainer}.get(base, sft_trainer)
     trainer = build(spec, clock_callback(spec, record))
     count_batches(trainer, record)
     trainer.train()
@@ -298,7 +333,11 @@ def worker(spec: dict) -> dict:
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "final_loss": record["losses"][-1], "losses": record["losses"],
             "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-            "liger": bool(getattr(trainer.args, "use_liger_kernel", False)) or spec["tool"] == "sft-liger",
+            "liger": bool(getattr(trainer.args, "use_liger_kernel", False)) or
+            getattr(trainer.args, "loss_kernel", None) == "liger",
+            "attention": trainer.model.config._attn_implementation, "torch_compile": trainer.args.torch_compile,
+            # graphs compiled during the timed steps (a new input shape or mask type): their compile time is in them
+            "graphs_compiled_timed": compiled_graphs() - record["graphs_at_warmup"],
             "optim": getattr(trainer.args.optim, "value", trainer.args.optim)}
 
 
@@ -343,26 +382,44 @@ def run_job(job: Job, args, root: Path, peak: float, deadline: float) -> dict:
     spec = asdict(job) | {"workdir": str(workdir), "device": args.device, "max_length": args.max_length,
                           "packing": args.packing != "off", "liger": args.liger == "auto"}
     for tool in args.tools.split(","):
-        if tool == "sft-varlen" and args.device != "cuda":
+        if "varlen" in tool.split("-") and args.device != "cuda":
             result["runs"][tool] = {"tool": tool, "error": "skipped: varlen_attn runs on CUDA only"}
         else:
             result["runs"][tool] = spawn(spec | {"tool": tool}, deadline - time.time())
         print(f"  {job.model} {job.method} {tool}: {result['runs'][tool].get('tokens_per_s', 'failed')}",
               file=sys.stderr)
     result["ratios"] = ratios(result["runs"], peak)
+    result["best"] = best_against_best(result["runs"])
     return result
 
 
+def fastest(runs: dict, base: str) -> str | None:
+    """The finished run of `base` (any modifiers) with the most tokens/s."""
+    done = [tool for tool, run in runs.items() if tool.split("-")[0] == base and "tokens_per_s" in run]
+    return max(done, key=lambda tool: runs[tool]["tokens_per_s"], default=None)
+
+
+def best_against_best(runs: dict) -> dict:
+    """The issue's comparison: sft's fastest run against TRL's fastest (tokens/s, peak memory, MFU)."""
+    sft, trl = fastest(runs, "sft"), fastest(runs, "trl")
+    if not (sft and trl):
+        return {}
+    return {"sft": sft, "trl": trl, "sft_mfu": runs[sft]["mfu"],
+            "tokens_per_s": runs[sft]["tokens_per_s"] / runs[trl]["tokens_per_s"],
+            "peak_memory_bytes": runs[sft]["peak_memory_bytes"] / runs[trl]["peak_memory_bytes"]}
+
+
 def table(results: dict) -> str:
+    width = max([11] + [len(tool) + 2 for job in results["jobs"] for tool in job.get("runs", {})])
     lines = [f"matmul peak measured (bf16 on GPU, fp32 on CPU): {results['peak_flops'] / 1e12:.2f} TFLOP/s "
              f"({results['device_name']}); peak GB: torch.cuda.max_memory_allocated (CPU: process peak RSS)",
-             f"{'model':<14}{'method':<7}{'tool':<11}{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
-             f"{'loss':>8}  sft/tool tok/s", "-" * 95]
+             f"{'model':<14}{'method':<7}{'tool':<{width}}{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
+             f"{'loss':>8}  sft/tool tok/s", "-" * (84 + width)]
     for job in results["jobs"]:
         if "skipped" in job:
             lines.append(f"{job['job']['model']:<14}{job['job']['method']:<7}skipped: {job['skipped']}")
         for tool, run in job.get("runs", {}).items():
-            head = f"{job['job']['model']:<14}{job['job']['method']:<7}{tool:<11}"
+            head = f"{job['job']['model']:<14}{job['job']['method']:<7}{tool:<{width}}"
             if "error" in run:
                 lines.append(head + "failed: " + error_line(run["error"])[:60])
                 continue
@@ -370,7 +427,13 @@ def table(results: dict) -> str:
             ratio = job["ratios"].get(f"sft/{tool} tokens_per_s")
             lines.append(head + f"{run['tokens_per_s']:>11,.0f}{run['mfu']:>7.1%}{memory:>9.2f}"
                          f"{run['time_to_first_step_s']:>11.1f}{run['final_loss']:>8.3f}"
-                         + (f"  {ratio:.2f}x" if ratio else ""))
+                         + (f"  {ratio:.2f}x" if ratio else "")
+                         + (f"  ({run['graphs_compiled_timed']} graphs compiled in the timed steps)"
+                            if run.get("graphs_compiled_timed") else ""))
+        if job.get("best"):
+            best = job["best"]
+            lines.append(f"{'':<21}best sft ({best['sft']}) / best trl ({best['trl']}): {best['tokens_per_s']:.2f}x "
+                         f"tokens/s, {best['peak_memory_bytes']:.2f}x peak memory; sft MFU {best['sft_mfu']:.1%}")
     return "\n".join(lines)
 
 
@@ -383,6 +446,8 @@ def error_line(stderr: str) -> str:
 def main(args) -> None:
     import torch
 
+    for tool in args.tools.split(","):  # a misspelt tool fails here, not after minutes of building models
+        tool_settings(tool)
     start = time.time()
     jobs = SUITES[args.suite] if args.suite else [Job(args.model, args.method, args.batch, args.checkpointing == "on",
                                                       args.steps)]

@@ -1,7 +1,7 @@
 """Prepare `.gpu/`, the one folder a lent GPU machine needs beside the checkout (issue 19), and print the call.
 
 The device gets the checkout only: not ../shared (the fixtures), and its image lacks datasets, trl, bitsandbytes and
-liger-kernel and has an older transformers (5.17; sft needs >= 5.23). So `.gpu/` holds
+liger-kernel and has an older transformers (5.17; sft needs >= 5.24). So `.gpu/` holds
 - `wheels/`: those packages, pinned to the versions installed here (CI's), for the device's Python 3.12. The
   bitsandbytes wheel (43 MB) is cut to its CUDA 13 and CPU libraries (the device runs torch cu130), because the
   working tree, fixtures and wheels must fit in 64 MiB together;

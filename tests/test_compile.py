@@ -7,6 +7,7 @@ transformers' smoother."""
 import json
 import math
 
+import datasets
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -127,6 +128,37 @@ def test_torch_compile_compiles_every_block_in_place_and_trains_as_eager(tmp_pat
     monkeypatch.setattr(SFTMixin, "_build_accelerator_args", Trainer._build_accelerator_args)
     wrapped = trained(tmp_path / "wrapped", tokenizer, torch_compile=True, torch_compile_backend="eager")
     assert wrapped.calls == [("OptimizedModule", 1)] * 2
+
+
+def packed_rows() -> "datasets.Dataset":
+    """Four packed rows (two examples each, restarting position ids) of 30, 29, 24 and 20 tokens: however the
+    sampler pairs them, the two batches of 2 have different longest rows."""
+    rows = []
+    for lengths in ((10, 20), (12, 17), (8, 16), (9, 11)):
+        ids = torch.randint(5, 300, (sum(lengths),), generator=torch.Generator().manual_seed(sum(lengths))).tolist()
+        rows.append({"input_ids": ids, "labels": ids, "position_ids": [p for n in lengths for p in range(n)]})
+    return datasets.Dataset.from_list(rows)
+
+
+def packed_graphs(tmp_path, tokenizer, seen: dict) -> int:
+    model = make_llama(len(tokenizer), seed=1)
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to="none",
+                     save_strategy="no", packing=True, max_length=32, torch_compile=True,
+                     torch_compile_backend="eager")
+    SFTTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=packed_rows()).train()
+    return seen["graphs"]
+
+
+def test_packed_batches_under_torch_compile_are_one_shape_and_one_graph(tmp_path, tokenizer, counted_compile,
+                                                                         monkeypatch):
+    assert packed_graphs(tmp_path / "static", tokenizer, counted_compile) == 1  # both batches 32 wide
+    assert counted_compile["runs"] == 4
+    # negative control: padded to each batch's longest row (two widths), the second batch recompiles the blocks
+    counted_compile.update(graphs=0, runs=0)
+    torch._dynamo.reset()
+    collator = sft.training.trainer.PackedCollator
+    monkeypatch.setattr(sft.training.trainer, "PackedCollator", lambda pad, pad_to_multiple_of: collator(pad))
+    assert packed_graphs(tmp_path / "longest", tokenizer, counted_compile) == 2
 
 
 def test_repeated_blocks_are_the_outermost_lists_of_one_class():

@@ -36,14 +36,18 @@ def default_collator(tokenizer: PreTrainedTokenizerBase, args: Any) -> Any:
     """Batches for the recipe's layout; padding never hides a trained EOS (labels are padded with -100).
 
     Packed rows keep examples apart with restarting position_ids and no attention mask, one batch row per packed
-    row (a [B, L] mask, not one quadratic [B*L]^2 mask); padding-free batches, and packed ones for flash or varlen
-    attention (which need cu_seq_lens), get one flattened row (sft.models.families.flattened_batches).
+    row (a [B, L] mask, not one quadratic [B*L]^2 mask), max_length wide under torch_compile; padding-free batches,
+    and packed ones for flash or varlen attention (which need cu_seq_lens), get one flattened row
+    (sft.models.families.flattened_batches).
     """
     packs = args.packing or bool(args.eval_packing)
     if flattened_batches(args.attn_implementation, args.padding_free, packs):
         return PaddingFreeCollator()
     if packs:
-        return PackedCollator(tokenizer.pad_token_id)
+        # Under torch_compile every packed batch is max_length wide: one shape, one graph. Padded to the longest row,
+        # a batch of a new width recompiles the blocks mid-run (packed rows are nearly full: the padding is small).
+        width = getattr(args, "max_length", None) if args.torch_compile else None
+        return PackedCollator(tokenizer.pad_token_id, pad_to_multiple_of=width)
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
 
 

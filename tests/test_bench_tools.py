@@ -1,0 +1,39 @@
+"""The GPU benchmark's tool names (scripts/bench_gpu.py): a base and '-'-joined modifiers, each one a recipe or
+TrainingArguments setting; misspelt names fail before any model is built; the best sft run is compared with the best
+TRL run."""
+
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_gpu import best_against_best, tool_settings  # noqa: E402
+
+
+def test_modifiers_compose_into_the_settings_each_tool_runs_with():
+    assert tool_settings("sft") == ("sft", {})
+    assert tool_settings("sft-varlen-compile-liger") == (
+        "sft", {"attn_implementation": "varlen", "torch_compile": True, "loss_kernel": "liger"})
+    assert tool_settings("trl-flex") == ("trl", {"attn_implementation": "flex_attention"})
+    assert tool_settings("plain") == ("plain", {}) and tool_settings("sft_syncs") == ("sft_syncs", {})
+
+
+@pytest.mark.parametrize("tool", ["sft-varlenn", "trl-liger", "plain-flex", "tlr", "sft-varlen-flex",
+                                  "sft-compile-compile"])
+def test_unknown_or_conflicting_tools_are_refused_with_the_choices(tool):
+    with pytest.raises(SystemExit, match="unknown tool .*sft-varlen\\|flex\\|liger\\|compile"):
+        tool_settings(tool)
+
+
+def test_the_fastest_sft_run_is_compared_with_the_fastest_trl_run():
+    runs = {"sft": {"tokens_per_s": 100, "peak_memory_bytes": 10, "mfu": 0.3},
+            "sft-varlen-compile": {"tokens_per_s": 150, "peak_memory_bytes": 8, "mfu": 0.45},
+            "sft_syncs": {"tokens_per_s": 999, "peak_memory_bytes": 1, "mfu": 0.9},  # an A/B control, not sft's best
+            "trl": {"tokens_per_s": 50, "peak_memory_bytes": 20, "mfu": 0.15},
+            "trl-flex": {"tokens_per_s": 100, "peak_memory_bytes": 16, "mfu": 0.3},
+            "trl-compile": {"error": "failed"}, "plain": {"tokens_per_s": 2000, "peak_memory_bytes": 1, "mfu": 0.9}}
+    assert best_against_best(runs) == {"sft": "sft-varlen-compile", "trl": "trl-flex", "sft_mfu": 0.45,
+                                       "tokens_per_s": 1.5, "peak_memory_bytes": 0.5}
+    assert best_against_best({"sft": runs["sft"], "trl-compile": runs["trl-compile"]}) == {}
