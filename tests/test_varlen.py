@@ -258,3 +258,78 @@ def test_sft_check_accepts_a_packed_varlen_recipe(tmp_path, capsys, monkeypatch)
     assert main(["check", str(recipe)]) == 0, capsys.readouterr().err[-2000:]
     out = capsys.readouterr().out
     assert "OK: the recipe is sound." in out and f"attn_implementation={VARLEN}" in out
+
+
+@torch.library.custom_op("sft_test::varlen_attn", mutates_args={})
+def traceable_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq: torch.Tensor,
+                     scale: float, left: int) -> torch.Tensor:
+    """segment_attention as an opaque custom op, as torch's varlen_attn is: dynamo records a call, never traces in."""
+    return segment_attention(query, key, value, cu_seq, scale, left, True).contiguous()
+
+
+@traceable_varlen.register_fake
+def _(query, key, value, cu_seq, scale, left):
+    return torch.empty_like(query)
+
+
+def _traceable_varlen_backward(ctx, grad):
+    states = [t.detach().requires_grad_() for t in ctx.saved_tensors[:3]]
+    with torch.enable_grad():
+        out = segment_attention(*states, ctx.saved_tensors[3], ctx.scale, ctx.left, True)
+    return (*torch.autograd.grad(out, states, grad), None, None, None)
+
+
+def _traceable_varlen_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:4])
+    ctx.scale, ctx.left = inputs[4], inputs[5]
+
+
+traceable_varlen.register_autograd(_traceable_varlen_backward, setup_context=_traceable_varlen_context)
+
+
+def traceable_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """The newer varlen_attn signature around the custom op."""
+    return traceable_varlen(query, key, value, cu_seq_q, scale, window_size[0])
+
+
+def test_varlen_under_torch_compile_trains_as_eager_without_graph_breaks(tmp_path, tokenizer, monkeypatch):
+    """sft-varlen-compile's path (packing + varlen + torch_compile): sft's attention function is traced into each
+    compiled block with no graph break and no dynamo warning, batches of other sizes and example counts recompile
+    once (dynamic shapes) and never again, and the losses are eager varlen's."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(attention, "varlen_attn", traceable_kernel)
+    attention.register()
+    rows = datasets.Dataset.from_list([{"input_ids": list(range(5, 5 + n)), "labels": list(range(5, 5 + n))}
+                                       for n in (5, 9, 7, 12, 3, 20, 6, 6, 11, 2, 8, 4)])
+
+    def losses(folder: str, **flags) -> list[float]:
+        model = make_llama(len(tokenizer), seed=1, attn_implementation=VARLEN)
+        args = SFTConfig(output_dir=str(tmp_path / folder), per_device_train_batch_size=3, max_steps=4,
+                         report_to="none", save_strategy="no", logging_steps=1, attn_implementation=VARLEN,
+                         padding_free=True, **flags)
+        trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=rows)
+        trainer.train()
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    def compiled(folder: str) -> tuple[list[float], int, int, list[str]]:
+        torch._dynamo.reset()
+        counters.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = losses(folder, torch_compile=True, torch_compile_backend="eager")
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        torch._dynamo.reset()
+        return result, graphs, breaks, [str(w.message) for w in caught if "Dynamo" in str(w.message)]
+
+    eager = losses("eager")
+    result, graphs, breaks, dynamo_warnings = compiled("compiled")
+    assert breaks == 0 and graphs == 2  # 4 batches of other token counts: one static graph, one dynamic
+    assert not dynamo_warnings, dynamo_warnings
+    assert result == pytest.approx(eager, abs=1e-6)
+    # negative control: the signature check traced through its lru_cache (as before) warns on every compile
+    monkeypatch.setattr(attention, "kernel_style", attention._kernel_style)
+    assert compiled("traced")[3]

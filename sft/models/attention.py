@@ -43,10 +43,15 @@ TORCH_VARLEN = _torch_kernel()
 varlen_attn = TORCH_VARLEN  # the kernel called; tests replace it with a CPU reference
 
 
-@functools.lru_cache(maxsize=8)
+@torch.compiler.assume_constant_result  # under torch_compile read once while tracing (dynamo traces into lru_cache)
 def kernel_style(kernel: Callable) -> tuple[bool, bool, bool]:
     """(takes window_size, takes enable_gqa, takes scale) of a varlen_attn: newer torch says causal with
     window_size=(-1, 0), older with is_causal=True."""
+    return _kernel_style(kernel)
+
+
+@functools.lru_cache(maxsize=8)
+def _kernel_style(kernel: Callable) -> tuple[bool, bool, bool]:
     params = inspect.signature(kernel).parameters
     if "window_size" not in params and "is_causal" not in params:
         raise SFTError("This torch's varlen_attn takes neither window_size nor is_causal; sft cannot make it causal. "
