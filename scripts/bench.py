@@ -48,8 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu.add_argument("--checkpointing", choices=("on", "off"), default="off", help="gradient checkpointing, all tools")
     gpu.add_argument("--tools", default="sft,trl,plain", help="comma-separated: a base (sft, trl, plain, sft_syncs: "
                      "sft with 4 host syncs per micro-step put back) and '-'-joined modifiers: sft-varlen|flex|liger|"
-                     "compile (attn_implementation varlen, CUDA only, or flex_attention; Liger's fused linear "
-                     "cross-entropy; torch_compile), trl-flex|compile; e.g. sft-varlen-compile,trl-flex")
+                     "compile|budget (attn_implementation varlen, CUDA only, or flex_attention; Liger's fused linear "
+                     "cross-entropy; torch_compile; activation_memory_budget 0.8, with compile), trl-flex|compile; "
+                     "e.g. sft-varlen-compile-budget,trl-flex")
     gpu.add_argument("--liger", choices=("auto", "off"), default="auto", help="trl: use_liger_kernel where it imports")
     gpu.add_argument("--suite", choices=("issue19", "issue19-full", "issue19-8b"), help="a fixed set of jobs")
     gpu.add_argument("--budget_s", type=float, default=540, help="runs not finished by then are recorded as timed out")

@@ -22,7 +22,7 @@ import sft.training.loss
 import sft.training.trainer
 from sft import SFTConfig, SFTTrainer
 from sft.evaluation.predict import Example, PromptGenerator
-from sft.models.compilation import compile_blocks, repeated_blocks
+from sft.models.compilation import compile_blocks, repeated_blocks, set_activation_memory_budget
 from sft.training.flows import train
 from sft.training.recipe import load_recipe
 from sft.training.trainer import SFTMixin, compiles_blocks
@@ -159,6 +159,62 @@ def test_packed_batches_under_torch_compile_are_one_shape_and_one_graph(tmp_path
     collator = sft.training.trainer.PackedCollator
     monkeypatch.setattr(sft.training.trainer, "PackedCollator", lambda pad, pad_to_multiple_of: collator(pad))
     assert packed_graphs(tmp_path / "longest", tokenizer, counted_compile) == 2
+
+
+def kept_bytes(model: nn.Module, inputs: dict) -> int:
+    """Bytes of the distinct non-parameter tensors autograd keeps for the backward of one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in params:
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(**inputs)
+    return sum(kept.values())
+
+
+def compiled_with_budget(budget: float) -> tuple[int, float, dict]:
+    """Kept bytes, loss and gradients of a tiny Llama whose blocks AOTAutograd's min-cut partitioner split under
+    `budget` (aot_eager_decomp_partition: the partitioner inductor uses, without its codegen)."""
+    set_activation_memory_budget(budget)
+    torch._dynamo.reset()
+    model = make_llama(300, intermediate_size=256)
+    compile_blocks(model, backend="aot_eager_decomp_partition")
+    inputs = batch(300)
+    kept_bytes(model, inputs)  # compiles
+    kept = kept_bytes(model, inputs)
+    loss = model(**inputs).loss
+    loss.backward()
+    torch._dynamo.reset()
+    return kept, float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.fixture
+def default_budget():
+    """torch's activation_memory_budget at its default during the test and restored after it (monkeypatch cannot:
+    it would delete the entry, which hides it in torch's config module)."""
+    with torch._functorch.config.patch(activation_memory_budget=1.0):
+        yield
+
+
+def test_activation_memory_budget_recomputes_instead_of_keeping(default_budget):
+    full, lean = compiled_with_budget(1.0), compiled_with_budget(0.8)
+    assert lean[0] < 0.85 * full[0]  # elementwise outputs recomputed in the backward instead of kept
+    assert lean[1] == pytest.approx(full[1], abs=1e-6)
+    assert all(torch.allclose(lean[2][k], full[2][k], atol=1e-6) for k in full[2])
+    assert compiled_with_budget(1.0)[0] == full[0]  # negative control: torch's default keeps what it kept
+
+
+def test_trainer_applies_the_recipe_memory_budget(tmp_path, tokenizer, default_budget):
+    base = dict(output_dir=str(tmp_path), report_to="none", torch_compile=True, torch_compile_backend="eager")
+    SFTTrainer(model=make_llama(len(tokenizer)), args=SFTConfig(**base), processing_class=tokenizer)
+    assert torch._functorch.config.activation_memory_budget == 1.0  # unset: torch's default
+    SFTTrainer(model=make_llama(len(tokenizer)), args=SFTConfig(**base, activation_memory_budget=0.8),
+               processing_class=tokenizer)
+    assert torch._functorch.config.activation_memory_budget == 0.8
 
 
 def test_repeated_blocks_are_the_outermost_lists_of_one_class():

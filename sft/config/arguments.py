@@ -104,6 +104,12 @@ class SFTConfig(Seq2SeqTrainingArguments):
                              "and a CUDA GPU; same loss, normalisation and label smoothing) or auto, which is "
                              "chunked until GPU measurements show where Liger is faster and exact. Eval always "
                              "uses sft's own.", "auto", choices=LOSS_KERNELS)
+    activation_memory_budget: float | None = _help(
+        "torch_compile only: the share of activation memory the compiler keeps for the backward (torch's "
+        "activation_memory_budget; unset: 1, torch's default). Below 1 it recomputes the cheapest ops in the backward "
+        "instead of keeping their outputs: 0.8 recomputes only elementwise ops (the norms' outputs, SwiGLU's "
+        "product; the same matmuls and attention), keeping per layer 0.47x of eager's activations and 0.67x of "
+        "Liger's (scripts/bench_activations.py); lower values also recompute matmuls and attention.")
 
     # PEFT (LoRA / DoRA / rsLoRA)
     use_peft: bool = _help("Train a LoRA adapter instead of all weights.", False)

@@ -41,11 +41,24 @@ def check_values(config: SFTConfig) -> None:
     if config.loss_kernel == "liger" and not config.chunked_loss:
         raise SFTError("loss_kernel: liger computes the chunked loss, but chunked_loss is false. Set chunked_loss: "
                        "true to use Liger's kernel, or loss_kernel: auto for the plain full-logits loss.")
+    check_memory_budget(config.activation_memory_budget, config.torch_compile)
     check_eval_split(config.eval_split_size)
     check_reporting(config.report_to)
     check_eval_plan(config)
     if not str(config.output_dir or "").strip():
         raise SFTError("`output_dir` is empty: give the folder the run should write to, e.g. outputs/my-run.")
+
+
+def check_memory_budget(budget: float | None, compiled: bool) -> None:
+    """activation_memory_budget is a share in (0, 1] and steers torch_compile's partitioner only."""
+    if budget is None:
+        return
+    if not 0 < budget <= 1:
+        raise SFTError(f"Bad value for `activation_memory_budget`: {budget!r}; give a share of activation memory "
+                       "above 0 and at most 1 (e.g. 0.8: recompute elementwise ops only).")
+    if not compiled:
+        raise SFTError("activation_memory_budget steers torch_compile's choice of what to recompute, and "
+                       "torch_compile is off. Set torch_compile: true, or remove activation_memory_budget.")
 
 
 def check_eval_split(size: float) -> None:

@@ -21,7 +21,7 @@ from transformers import (
 from sft.data.collators import TRAINED_TARGETS, HostCount, PackedCollator, PaddingFreeCollator
 from sft.data.encode import IGNORE_INDEX
 from sft.evaluation.predict import GenerationEval
-from sft.models.compilation import compile_blocks, repeated_blocks
+from sft.models.compilation import compile_blocks, repeated_blocks, set_activation_memory_budget
 from sft.models.families import flattened_batches
 from sft.training import checkpoints
 from sft.training.checkpoints import CheckpointStaging
@@ -83,6 +83,9 @@ class SFTMixin:
         return args
 
     def _init_sft(self) -> None:
+        budget = getattr(self.args, "activation_memory_budget", None)
+        if budget is not None and self.args.torch_compile:  # whoever compiles: sft's blocks or accelerate's model
+            set_activation_memory_budget(budget)
         if self.compiles_blocks:
             compile_blocks(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
         self.token_loss = TokenLoss(self.model, getattr(self.args, "chunked_loss", True),
