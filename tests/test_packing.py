@@ -370,7 +370,9 @@ def test_flex_attention_packed_rows_equal_alone(family):
 
     from sft.training.trainer import default_collator
 
-    args = SimpleNamespace(packing=True, eval_packing=None, padding_free=False, attn_implementation="flex_attention")
+    args = SimpleNamespace(
+        packing=True, eval_packing=None, padding_free=False, attn_implementation="flex_attention", torch_compile=False
+    )
     collate = default_collator(SimpleNamespace(pad_token_id=0), args)
     assert isinstance(collate, PackedCollator)
     model, examples = tiny_model(family, "flex_attention"), toy_examples(LENGTHS)
