@@ -22,6 +22,15 @@ GIB = 2 ** 30
 # up and their product (8i). LoRA adds per adapted linear its dropout mask and fp32/bf16 input copies; QLoRA's
 # float32 residual stream (k-bit preparation) changes the mix. Measured with MemTracker, see tests/test_plan.py.
 LAYER_BYTES = {"full": (16.0, 8.0, 8.0), "lora": (40.4, 14.2, 13.0), "qlora": (38.4, 14.2, 12.2)}
+# What torch_compile takes off LAYER_BYTES, in the same units, where sft compiles each block in place (one GPU, DDP)
+# by (method, partitioner budget): inductor's partitioner recomputes fused elementwise ops (norms, SwiGLU's product,
+# LoRA's dropout and casts) instead of keeping their outputs; at budget 0.8 it recomputes all elementwise ops, no
+# matmul or attention (sft.models.compilation). Differences of the bytes autograd saves per token and layer,
+# compiled minus eager, fitted on five widths with bf16 autocast and exact on a Llama-3.2-1B layer (LoRA at 0.8:
+# within 0.2%); tests/test_plan.py measures them on another width. QLoRA and sharded runs (accelerate compiles the
+# whole model there) are planned as eager: not measured, an upper bound.
+COMPILED_SAVINGS = {("full", 1.0): (8.0, 0.0, 2.0), ("full", 0.8): (12.0, 0.0, 4.0),
+                    ("lora", 1.0): (19.0, 3.0, 5.0), ("lora", 0.8): (29.875, 3.25, 7.375)}
 # Gradient temporaries of the MLP (bytes per token per MLP width) while a recomputed LoRA layer runs backward.
 BACKWARD_I_BYTES = 11
 EAGER_SCORE_BYTES = 6  # per attention score per head, eager attention only (sdpa/flash keep no T x T tensor)
@@ -95,12 +104,23 @@ def activation_scale(config: SFTConfig) -> int:
     return 1 if (config.bf16 or config.fp16) else 2
 
 
+def compiled_savings(config: SFTConfig, setup: Setup) -> tuple[float, float, float] | None:
+    """COMPILED_SAVINGS of the recipe's torch_compile, or None where activations are planned as eager. A budget
+    between 0.8 and 1 is planned as 1 and one below 0.8 as 0.8: a lower budget never keeps more."""
+    if not config.torch_compile or setup.preset not in ("single", "ddp"):
+        return None
+    budget = config.activation_memory_budget
+    return COMPILED_SAVINGS.get((setup.method, 0.8 if budget is not None and budget <= 0.8 else 1.0))
+
+
 def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, head_trainable: bool) -> dict[str, int]:
     """Activations of one micro-batch at their peak: saved per layer, the layer being recomputed, LM head / loss."""
     tokens = setup.micro_batch * setup.max_length
     scale = activation_scale(config)
     h, q, i = arch.hidden_size, arch.num_attention_heads * head_dim(arch), arch.intermediate_size
     ch, cq, ci = LAYER_BYTES[setup.method]
+    saved_h, saved_q, saved_i = compiled_savings(config, setup) or (0.0, 0.0, 0.0)
+    ch, cq, ci = ch - saved_h, cq - saved_q, ci - saved_i
     layer = int(tokens * (ch * h + cq * q + ci * i) * scale)
     if config.attn_implementation == "eager":  # eager keeps each head's T x T probabilities: float32 and bf16 copy
         layer += tokens * setup.max_length * arch.num_attention_heads * EAGER_SCORE_BYTES * scale

@@ -23,6 +23,7 @@ from sft.planning.memory import (
     STATIC_PARTS,
     Model,
     Setup,
+    compiled_savings,
     eval_bytes,
     head_dim,
     memory_breakdown,
@@ -268,9 +269,21 @@ def plan_recipe(config: SFTConfig, gpu: GPU, num_gpus: int = 1, num_nodes: int =
     plan.notes = [f"model {config.model_name_or_path}: {arch.model_type}, {arch.num_hidden_layers} layers, "
                   f"hidden {arch.hidden_size}, vocabulary {arch.vocab_size}",
                   f"{gpu.name}: {gpu.bf16_tflops:g} dense bf16 TFLOP/s at an assumed {gpu.mfu:.0%} utilisation"]
+    if config.torch_compile:
+        plan.notes.append(compile_note(config, setup))
     if not plan.fits:
         plan.overrides = search(config, arch, gpu, setup, models)
     return plan
+
+
+def compile_note(config: SFTConfig, setup: Setup) -> str:
+    """How the activations of a torch_compile recipe were planned."""
+    budget = config.activation_memory_budget
+    if compiled_savings(config, setup):
+        return (f"torch_compile: activations as inductor keeps them in compiled blocks (activation_memory_budget "
+                f"{1.0 if budget is None else budget:g}{', planned as 0.8' if budget is not None and budget < 0.8 else ''})")
+    return (f"torch_compile: activations planned as eager for {setup.method} on {setup.preset} (what compiling keeps "
+            "there is not measured): an upper bound")
 
 
 def search(config: SFTConfig, arch: PretrainedConfig, gpu: GPU, setup: Setup, models: dict[str, Model]) -> list[str]:
@@ -319,5 +332,6 @@ def trace_note(config: SFTConfig, plan: Plan) -> str:
         return "trace: skipped (8-bit LLM.int8 layers cannot be simulated)"
     traced = trace_step(config, model_architecture(config.model_name_or_path, config.revision)).peak / GIB
     planned = plan.breakdown["training peak"] - (plan.breakdown["gradients"] if plan.setup.preset == "ddp" else 0)
-    return (f"trace: simulated step peak {traced:.2f} GiB (MemTracker, fake tensors) vs planned {planned:.2f} GiB "
-            f"({100 * (planned / traced - 1):+.1f}%)")
+    eager = " (eager: the simulated step does not compile)" if config.torch_compile else ""
+    return (f"trace: simulated step peak {traced:.2f} GiB (MemTracker, fake tensors{eager}) vs planned {planned:.2f} "
+            f"GiB ({100 * (planned / traced - 1):+.1f}%)")
