@@ -310,3 +310,31 @@ def test_accelerate_accepts_the_launch_command(preset, monkeypatch):
         env = prepare_multi_gpu_env(args)
         assert (env.get("ACCELERATE_USE_FSDP") == "true") == preset.startswith("fsdp")
         assert (env.get("FSDP_OFFLOAD_PARAMS") == "true") == (preset == "fsdp_offload")
+
+
+def test_a_finished_command_closes_the_process_group_a_failed_one_leaves_it(monkeypatch, tmp_path):
+    """torchrun ranks must not reach interpreter exit with gloo's group open: its threads can abort a rank after a run
+    that succeeded (SIGABRT, seen in the ZeRO-3 LoRA multiprocess test). After an error other ranks may still wait in
+    a collective, so the group is left to the launcher."""
+    import torch.distributed as dist
+
+    from sft.cli import main as cli
+
+    def open_group(name: str) -> None:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / name}", rank=0, world_size=1)
+
+    def fail(args, rest):
+        raise SFTError("bad recipe")
+
+    open_group("first")
+    try:
+        monkeypatch.setattr(cli, "run_train", lambda args, rest: None)
+        assert main(["train", "recipe.yaml"]) == 0
+        assert not dist.is_initialized()
+        open_group("second")
+        monkeypatch.setattr(cli, "run_train", fail)
+        assert main(["train", "recipe.yaml"]) == 2
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from sft.cli.console import quiet_optional_backends, recipe_keys_help, setup_logging
+from sft.cli.console import end_distributed, quiet_optional_backends, recipe_keys_help, setup_logging
 from sft.errors import SFTError
 from sft.training.flows import train
 from sft.training.recipe import RENAMED, load_recipe, parse_flags
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         values, flags = alpaca_recipe([a for a in argv if a != "--debug"], torch.cuda.is_available())
         train(load_recipe(values, flags=flags))
+        end_distributed()
     except SFTError as err:
         if debug:
             raise

@@ -1,7 +1,9 @@
-"""What every verb shares: logging set up for people, import-time noise silenced, the recipe keys' help text."""
+"""What every verb shares: logging set up for people, import-time noise silenced, the recipe keys' help text, the
+process group closed at the end."""
 
 import logging
 import os
+import sys
 
 
 def setup_logging() -> None:
@@ -30,3 +32,16 @@ def recipe_keys_help() -> str:
 
     text = HfArgumentParser(SFTConfig, prog="sft").format_help()
     return "recipe keys:" + text.split("options:", 1)[-1]
+
+
+def end_distributed() -> None:
+    """Close the process group a launcher (torchrun, accelerate, deepspeed) opened. Left open to interpreter exit,
+    gloo's worker threads can abort a rank after a run that succeeded (SIGABRT, "terminate called without an
+    active exception"), and the launcher then reports the whole job failed. Only on success: after an error other
+    ranks may still wait in a collective."""
+    if "torch" not in sys.modules:  # nothing distributed ran (sft --help, sft plan without torch.distributed)
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

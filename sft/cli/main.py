@@ -5,7 +5,7 @@ import logging
 import sys
 from typing import Callable
 
-from sft.cli.console import quiet_optional_backends, recipe_keys_help, setup_logging
+from sft.cli.console import end_distributed, quiet_optional_backends, recipe_keys_help, setup_logging
 from sft.config.names import DISTRIBUTED_PRESETS, DTYPE_NAMES
 from sft.errors import SFTError
 
@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return args.run(args, rest) or 0
+        code = args.run(args, rest) or 0
+        end_distributed()
+        return code
     except SFTError as err:
         if debug:
             raise
