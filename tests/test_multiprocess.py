@@ -28,6 +28,7 @@ from conftest import REPO, write_json
 
 pytestmark = pytest.mark.multiprocess
 PROBE = REPO / "tests" / "sharding_probe.py"
+EXIT_PROBE = REPO / "tests" / "exit_probe.py"
 # Four rows = one global batch of 2 processes x 2 rows: step 1 sees exactly these rows in any order.
 ROWS = [{"instruction": "Add the two numbers.", "input": "2 and 3", "output": "5"},
         {"instruction": "What is the capital of France?", "input": "", "output": "The capital of France is Paris."},
@@ -59,13 +60,20 @@ def single_process_loss(recipe, tmp_path_factory) -> float:
     return step_losses(out)[0]
 
 
-def torchrun(args: list, nproc: int = 2) -> None:
-    """Run `torchrun --standalone --nproc_per_node N args...` and fail with its output if it fails."""
+def launch(args: list, nproc: int = 2) -> subprocess.CompletedProcess:
+    """Run `torchrun --standalone --nproc_per_node N args...`."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # 2 processes share the cores
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # the processes share the cores
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{shlex.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    result.command = shlex.join(command)
+    return result
+
+
+def torchrun(args: list, nproc: int = 2) -> None:
+    """`launch`, failing with its output if it fails."""
+    result = launch(args, nproc)
+    assert result.returncode == 0, f"{result.command}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
 
 
 def step_losses(run: Path) -> list[float]:
@@ -156,3 +164,25 @@ def test_fsdp_preset_wraps_each_decoder_layer_on_gpu(recipe, tmp_path):
     assert any(p.name.startswith("pytorch_model_fsdp") for p in checkpoint.iterdir())  # sharded checkpoint
     model = AutoModelForCausalLM.from_pretrained(run)  # the final save is whole
     assert model.model.layers[0].mlp.down_proj.weight.shape == (32, 64)
+
+
+def test_ranks_that_exit_right_after_their_last_collective_finish_cleanly(tmp_path):
+    """ZeRO-3's fast ranks go from the final save's all-gathers straight to interpreter exit while rank 0 still
+    writes; a gloo thread finishing a work then can abort the rank (SIGABRT) and the launcher fails the whole job.
+    sft's commands end with every rank waiting for the last one (a barrier): no rank leaves before all are done,
+    which fails without the barrier. The negative control shows the replay reproduces the abort without sft's
+    ending (7 of 12 launches aborted here)."""
+    aborted = 0
+    for _ in range(10):
+        result = launch([EXIT_PROBE, "skip", tmp_path], nproc=3)
+        aborted += "SIGABRT" in result.stderr + result.stdout
+        if aborted:
+            break
+    assert aborted, "the replay no longer reproduces the abort: it cannot show the fix works"
+    for _ in range(3):
+        for stamp in tmp_path.glob("rank*.json"):
+            stamp.unlink()
+        result = launch([EXIT_PROBE, "sft", tmp_path], nproc=3)
+        assert result.returncode == 0, f"{result.command}\n{result.stderr[-6000:]}"
+        stamps = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
+        assert min(s["left"] for s in stamps) >= max(s["done"] for s in stamps)  # no rank left before all were done

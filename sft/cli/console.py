@@ -35,13 +35,16 @@ def recipe_keys_help() -> str:
 
 
 def end_distributed() -> None:
-    """Close the process group a launcher (torchrun, accelerate, deepspeed) opened. Left open to interpreter exit,
-    gloo's worker threads can abort a rank after a run that succeeded (SIGABRT, "terminate called without an
-    active exception"), and the launcher then reports the whole job failed. Only on success: after an error other
-    ranks may still wait in a collective."""
+    """Let the ranks leave together, then close the process group a launcher (torchrun, accelerate, deepspeed)
+    opened. A rank that reaches interpreter exit right after its last collective (ZeRO-3's fast ranks while rank 0
+    still writes the checkpoint) can abort (SIGABRT, "terminate called without an active exception") when a gloo
+    worker thread releases a finished work's tensor while the interpreter finalizes; the launcher then reports the
+    whole job failed. Waiting in a barrier releases the GIL until every rank is done, so those threads finish first
+    (tests/exit_probe.py). Only on success: after an error other ranks may never reach the barrier."""
     if "torch" not in sys.modules:  # nothing distributed ran (sft --help, sft plan without torch.distributed)
         return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # what accelerate's wait_for_everyone calls
         dist.destroy_process_group()
