@@ -22,6 +22,8 @@ MANIFEST = "sft_run.json"
 CHECKPOINT_NAME = re.compile(r"(checkpoint-\d+|\.staging-\d+|runs)$")
 SHOWN = 8  # foreign names listed in a refusal
 HASHED_BYTES = 16 * 2**20  # larger files (weights) are identified by size alone: hashing them costs seconds
+# `writable`'s probe: every rank of a launch checks output_dir, so another rank's probe can be there for a moment.
+WRITE_PROBE = ".sft-write-test-"
 
 
 def _stamp(path: Path) -> list | None:
@@ -41,14 +43,19 @@ def read_manifest(out: Path) -> dict[str, list[int] | None] | None:
         return None
 
 
+def entries(folder: Path) -> list[Path]:
+    """What `folder` holds, less another process's writability probe (never the user's, never sft's to record)."""
+    return [p for p in folder.iterdir() if not p.name.startswith(WRITE_PROBE)]
+
+
 def foreign_entries(out: Path) -> list[str]:
     """Names in `out` that sft did not write (or that changed since it did)."""
     if not out.is_dir():
         return []
     owned = read_manifest(out)
     if owned is None:
-        return sorted(p.name for p in out.iterdir())
-    return sorted(p.name for p in out.iterdir() if p.name != MANIFEST and not (
+        return sorted(p.name for p in entries(out))
+    return sorted(p.name for p in entries(out) if p.name != MANIFEST and not (
         (p.name in owned and owned[p.name] == _stamp(p)) or (p.is_dir() and CHECKPOINT_NAME.match(p.name))))
 
 
@@ -75,7 +82,7 @@ def writable(folder: Path) -> bool:
     if not os.access(folder, os.W_OK | os.X_OK):
         return False
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".sft-write-test-", dir=folder))
+        os.rmdir(tempfile.mkdtemp(prefix=WRITE_PROBE, dir=folder))
     except OSError:
         return False
     return True
@@ -98,12 +105,12 @@ def is_run(out: Path) -> bool:
 
 def claim(out: Path, names: list[str] | None = None) -> None:
     """Record `names` (default: every entry of `out`) as written by sft, keeping earlier records."""
-    entries = read_manifest(out) or {}
-    for name in names if names is not None else [p.name for p in out.iterdir()]:
+    recorded = read_manifest(out) or {}
+    for name in names if names is not None else [p.name for p in entries(out)]:
         if name != MANIFEST and (out / name).exists():
-            entries[name] = _stamp(out / name)
+            recorded[name] = _stamp(out / name)
     staging = out / (MANIFEST + ".tmp")
-    staging.write_text(json.dumps({"written_by": "sft", "entries": entries}, indent=1) + "\n", encoding="utf-8")
+    staging.write_text(json.dumps({"written_by": "sft", "entries": recorded}, indent=1) + "\n", encoding="utf-8")
     staging.replace(out / MANIFEST)  # a crash never leaves a half-written manifest
 
 
@@ -112,7 +119,7 @@ def clear_run(out: Path) -> list[str]:
     foreign = foreign_entries(out)
     if foreign:  # checked before any work too; a file a user added since must still survive
         raise SFTError(f"output_dir {out} holds files sft did not write: {describe(foreign)}; nothing was removed.")
-    removed = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    removed = sorted(p.name for p in entries(out)) if out.is_dir() else []
     for name in removed:
         path = out / name
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()

@@ -88,3 +88,21 @@ def test_unwritable_output_dir_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(rundir.os, "access", lambda path, mode: False)  # root ignores permission bits
     with pytest.raises(rundir.SFTError, match="is not writable"):
         rundir.check_output_dir(tmp_path / "out")
+
+
+def test_another_ranks_write_probe_is_not_a_user_file(tmp_path):
+    """Every rank of a launch checks output_dir, creating and removing a writability probe; another rank must not
+    take that probe for a user's file (a 2-process resume was refused for it), record it or delete it."""
+    new, earlier = tmp_path / "new", tmp_path / "earlier"
+    new.mkdir()
+    assert run("train", recipe(tmp_path, earlier)) == 0
+    for out in (new, earlier):
+        probe = out / f"{rundir.WRITE_PROBE}x1y2"
+        probe.mkdir()  # another rank is between mkdtemp and rmdir
+        rundir.check_output_dir(out)
+        assert rundir.foreign_entries(out) == []
+        rundir.claim(out)
+        assert probe.name not in rundir.read_manifest(out)
+        assert probe.name not in rundir.clear_run(out) and probe.is_dir()
+        (out / "notes.md").write_text("mine\n")  # control: a user's file still is
+        assert rundir.foreign_entries(out) == ["notes.md"]
