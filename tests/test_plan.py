@@ -258,11 +258,13 @@ def test_torch_compile_savings_apply_only_where_sft_compiles_blocks():
     sharded = dataclasses.replace(planner.setup_of(full, 4, 1), preset="fsdp")
     assert memory.compiled_savings(full, sharded) is None
     assert memory.compiled_savings(full, planner.setup_of(full, 2, 1)) == memory.COMPILED_SAVINGS[("full", 1.0)]
-    for budget, planned_as in [(0.9, 1.0), (0.8, 0.8), (0.5, 0.8)]:
+    for budget, planned_as, said in [(None, 1.0, "budget 1)"), (0.9, 1.0, "budget 0.9, planned as 1)"),
+                                     (0.8, 0.8, "budget 0.8)"), (0.5, 0.8, "budget 0.5, planned as 0.8)")]:
         config = load_recipe({**base, "use_peft": False, "load_in_4bit": False, "torch_compile": True,
                               "activation_memory_budget": budget})
         single = planner.setup_of(config, 1, 1)
         assert memory.compiled_savings(config, single) == memory.COMPILED_SAVINGS[("full", planned_as)]
+        assert planner.compile_note(config, single).endswith(said)  # the plan says what it planned
 
 
 @pytest.mark.gpu

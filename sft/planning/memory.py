@@ -104,13 +104,18 @@ def activation_scale(config: SFTConfig) -> int:
     return 1 if (config.bf16 or config.fp16) else 2
 
 
+def planned_budget(config: SFTConfig) -> float:
+    """The measured partitioner budget (COMPILED_SAVINGS) the recipe's activation_memory_budget is planned as: one
+    between 0.8 and 1 as 1, one at or below 0.8 as 0.8 (a lower budget never keeps more): an upper bound."""
+    budget = config.activation_memory_budget
+    return 0.8 if budget is not None and budget <= 0.8 else 1.0
+
+
 def compiled_savings(config: SFTConfig, setup: Setup) -> tuple[float, float, float] | None:
-    """COMPILED_SAVINGS of the recipe's torch_compile, or None where activations are planned as eager. A budget
-    between 0.8 and 1 is planned as 1 and one below 0.8 as 0.8: a lower budget never keeps more."""
+    """COMPILED_SAVINGS of the recipe's torch_compile, or None where activations are planned as eager."""
     if not config.torch_compile or setup.preset not in ("single", "ddp"):
         return None
-    budget = config.activation_memory_budget
-    return COMPILED_SAVINGS.get((setup.method, 0.8 if budget is not None and budget <= 0.8 else 1.0))
+    return COMPILED_SAVINGS.get((setup.method, planned_budget(config)))
 
 
 def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, head_trainable: bool) -> dict[str, int]:

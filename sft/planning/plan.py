@@ -27,6 +27,7 @@ from sft.planning.memory import (
     eval_bytes,
     head_dim,
     memory_breakdown,
+    planned_budget,
     train_peak,
 )
 from sft.training.presets import fsdp_config_dict, zero_stage
@@ -278,10 +279,10 @@ def plan_recipe(config: SFTConfig, gpu: GPU, num_gpus: int = 1, num_nodes: int =
 
 def compile_note(config: SFTConfig, setup: Setup) -> str:
     """How the activations of a torch_compile recipe were planned."""
-    budget = config.activation_memory_budget
+    budget, planned = config.activation_memory_budget or 1.0, planned_budget(config)
     if compiled_savings(config, setup):
         return (f"torch_compile: activations as inductor keeps them in compiled blocks (activation_memory_budget "
-                f"{1.0 if budget is None else budget:g}{', planned as 0.8' if budget is not None and budget < 0.8 else ''})")
+                f"{budget:g}{f', planned as {planned:g}' if planned != budget else ''})")
     return (f"torch_compile: activations planned as eager for {setup.method} on {setup.preset} (what compiling keeps "
             "there is not measured): an upper bound")
 
