@@ -46,14 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu.add_argument("--model", choices=("tiny", "qwen2.5-0.5b", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b"))
     gpu.add_argument("--method", choices=("full", "lora", "qlora"), default="full")
     gpu.add_argument("--checkpointing", choices=("on", "off"), default="off", help="gradient checkpointing, all tools")
-    gpu.add_argument("--tools", default="sft,trl,plain", help="comma-separated: a base (sft, trl, plain, sft_syncs: "
+    gpu.add_argument("--tools", help="default: sft,trl,plain for --model, each job's own list for --suite (its "
+                     "likeliest-fastest runs first). Comma-separated: a base (sft, trl, plain, sft_syncs: "
                      "sft with 4 host syncs per micro-step put back) and '-'-joined modifiers: sft-varlen|flex|liger|"
                      "compile|budget (attn_implementation varlen, CUDA only, or flex_attention; Liger's fused linear "
                      "cross-entropy; torch_compile; activation_memory_budget 0.8, with compile), trl-flex|compile; "
                      "e.g. sft-varlen-compile-budget,trl-flex")
     gpu.add_argument("--liger", choices=("auto", "off"), default="auto", help="trl: use_liger_kernel where it imports")
     gpu.add_argument("--suite", choices=("issue19", "issue19-full", "issue19-8b"), help="a fixed set of jobs")
-    gpu.add_argument("--budget_s", type=float, default=540, help="runs not finished by then are recorded as timed out")
+    gpu.add_argument("--budget_s", type=float, default=540, help="seconds for the whole suite; each job gets an equal share of what is "
+                     "left (a job that ends early leaves its time to the next); runs not finished in their job's share "
+                     "are recorded as timed out")
     parser.add_argument("--gpu_worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=("sft", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)

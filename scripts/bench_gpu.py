@@ -79,13 +79,19 @@ class Job:
     batch: int
     checkpointing: bool
     steps: int = 8
+    tools: tuple[str, ...] = ("sft", "trl", "plain")  # in the order they run: a job's time may end before the last
 
 
 # Full fine-tunes without checkpointing (they fit in 80 GB); the 8B jobs at the recipes' micro-batch 2 with
-# checkpointing on, which the QLoRA 24 GB goal needs. Split for two device calls if one is too slow.
+# checkpointing on, which the QLoRA 24 GB goal needs. Each job's tools: sft's likeliest-fastest run and TRL's best
+# first (the issue's comparison), then plain Trainer, then the A/B variants, as far as the job's time goes.
+FULL_TOOLS = ("sft-varlen-compile", "trl-flex", "plain", "sft-varlen", "sft-varlen-compile-budget", "trl", "sft")
+ADAPTER_TOOLS = ("sft-varlen", "trl-flex", "plain", "sft-varlen-compile", "trl", "sft")
 SUITES = {
-    "issue19-full": [Job("qwen2.5-0.5b", "full", 8, False), Job("llama-3.2-1b", "full", 8, False)],
-    "issue19-8b": [Job("llama-3.1-8b", "lora", 2, True, 6), Job("llama-3.1-8b", "qlora", 2, True, 6)],
+    "issue19-full": [Job("qwen2.5-0.5b", "full", 8, False, tools=FULL_TOOLS),
+                     Job("llama-3.2-1b", "full", 8, False, tools=FULL_TOOLS)],
+    "issue19-8b": [Job("llama-3.1-8b", "lora", 2, True, 6, ADAPTER_TOOLS),
+                   Job("llama-3.1-8b", "qlora", 2, True, 6, ADAPTER_TOOLS)],
 }
 SUITES["issue19"] = SUITES["issue19-full"] + SUITES["issue19-8b"]
 
@@ -386,7 +392,7 @@ def run_job(job: Job, args, root: Path, peak: float, deadline: float) -> dict:
     result = {"job": asdict(job), "model": json.loads((workdir / "model.json").read_text()), "runs": {}}
     spec = asdict(job) | {"workdir": str(workdir), "device": args.device, "max_length": args.max_length,
                           "packing": args.packing != "off", "liger": args.liger == "auto"}
-    for tool in args.tools.split(","):
+    for tool in args.tools.split(",") if args.tools else job.tools:
         if "varlen" in tool.split("-") and args.device != "cuda":
             result["runs"][tool] = {"tool": tool, "error": "skipped: varlen_attn runs on CUDA only"}
         else:
@@ -451,23 +457,30 @@ def error_line(stderr: str) -> str:
 def main(args) -> None:
     import torch
 
-    for tool in args.tools.split(","):  # a misspelt tool fails here, not after minutes of building models
-        tool_settings(tool)
     start = time.time()
     jobs = SUITES[args.suite] if args.suite else [Job(args.model, args.method, args.batch, args.checkpointing == "on",
                                                       args.steps)]
+    for tool in args.tools.split(",") if args.tools else {t for job in jobs for t in job.tools}:
+        tool_settings(tool)  # a misspelt tool fails here, not after minutes of building models
     results = {"setup": {k: v for k, v in vars(args).items() if k != "gpu_worker"}, "jobs": [],
                "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                "versions": versions(), "peak_flops": matmul_peak(args.device)}
     with tempfile.TemporaryDirectory(prefix="sft-bench-gpu-") as tmp:
-        for job in jobs:
-            if time.time() > start + args.budget_s:  # no time left: do not build (and save) another model
+        for index, job in enumerate(jobs):
+            deadline = job_deadline(start + args.budget_s, time.time(), len(jobs) - index)
+            if deadline <= time.time():  # no time left: do not build (and save) another model
                 results["jobs"].append({"job": asdict(job), "skipped": "suite budget spent"})
             else:
-                results["jobs"].append(run_job(job, args, Path(tmp), results["peak_flops"], start + args.budget_s))
+                results["jobs"].append(run_job(job, args, Path(tmp), results["peak_flops"], deadline))
             if args.json:  # after every job: a device call cut short still returns what was measured
                 Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     print(table(results))
+
+
+def job_deadline(suite_deadline: float, now: float, jobs_left: int) -> float:
+    """When this job's runs must end: an equal share of the time left, so one slow job (an 8B model's save, a
+    compile) cannot leave the jobs after it unmeasured; a job that ends early leaves its time to the others."""
+    return now + max(suite_deadline - now, 0) / jobs_left
 
 
 def versions() -> dict:

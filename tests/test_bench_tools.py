@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_gpu import best_against_best, tool_settings  # noqa: E402
+from bench_gpu import SUITES, best_against_best, job_deadline, tool_settings  # noqa: E402
 
 
 def test_modifiers_compose_into_the_settings_each_tool_runs_with():
@@ -38,3 +38,24 @@ def test_the_fastest_sft_run_is_compared_with_the_fastest_trl_run():
     assert best_against_best(runs) == {"sft": "sft-varlen-compile", "trl": "trl-flex", "sft_mfu": 0.45,
                                        "tokens_per_s": 1.5, "peak_memory_bytes": 0.5}
     assert best_against_best({"sft": runs["sft"], "trl-compile": runs["trl-compile"]}) == {}
+
+
+def test_each_job_gets_a_share_of_the_suite_time_left():
+    """Four jobs in 400 s: a job that runs to its deadline cannot starve the ones after it (one deadline for the
+    whole suite let the first job's runs take it all), and time a job leaves unused goes to the jobs after it."""
+    now, windows = 0.0, []
+    for index, needs in enumerate([1000, 10, 1000, 1000]):  # seconds each job would run if let
+        deadline = job_deadline(400, now, 4 - index)
+        windows.append(deadline - now)
+        now = min(now + needs, deadline)
+    assert windows == [100, 100, 145, 145]  # job 2's unused 90 s split between jobs 3 and 4
+    assert job_deadline(400, 401, 2) == 401  # spent: the job is skipped
+
+
+def test_every_suite_job_runs_known_tools_sft_and_trl_first():
+    """The suites' own tool lists (run when --tools is not given) pass the same check a misspelt --tools fails, and
+    put an sft run and a TRL run first: if a job's time runs out, the issue's comparison is what was measured."""
+    for jobs in SUITES.values():
+        for job in jobs:
+            bases = [tool_settings(tool)[0] for tool in job.tools]
+            assert bases[:2] == ["sft", "trl"]
