@@ -33,7 +33,7 @@ FIXTURE_PATHS = ("alpaca/alpaca_data_1k.json", "tokenizers/qwen2.5-coder-3b-inst
 KEEP_NATIVE = re.compile(r"libbitsandbytes_(cpu|cuda13\d)\.so$")  # the device: torch 2.11+cu130
 PREFIX = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "
           ".gpu/wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD SFT_FIXTURES=$PWD/.gpu/fixtures HF_HUB_OFFLINE=1 "
-          "HF_DATASETS_OFFLINE=1 || exit;")
+          "HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 || exit;")  # unbuffered: a call cut at its limit keeps the log
 
 
 def pinned(name: str) -> str:
