@@ -2,6 +2,7 @@
 
 import pytest
 
+from sft.data.build import build_datasets
 from sft.data.encode import IGNORE_INDEX, Encoding
 from sft.data.formats import (
     ALPACA_PROMPT_INPUT,
@@ -11,6 +12,10 @@ from sft.data.formats import (
     render_prompt_completion,
     render_text,
 )
+from sft.data.tokenizer import load_tokenizer
+from sft.training.recipe import load_recipe
+
+from conftest import EMBEDDED_MODEL, FIXTURES, write_json
 
 
 def encode_one(tokenizer, rendered, max_length=512, side="right"):
@@ -91,3 +96,28 @@ def test_truncation_keeps_max_length_and_untrains_the_new_first_token(tokenizer,
     assert cut and len(ids) == 8 and labels[0] == IGNORE_INDEX
     assert ids == (full[:8] if side == "right" else full[-8:])
     assert labels[1:] == ids[1:]
+
+
+MULTI_TOKEN_ENDINGS = ["I love it 🦜", "答案是龘", "so x ≤ ∮"]  # byte-fallback / byte-level BPE: one character, many tokens
+
+
+@pytest.mark.parametrize("name", ["mistral-7b-instruct-v0.1", "qwen2.5-coder-3b-instruct", "meta-llama-3-8b-instruct"])
+@pytest.mark.parametrize("dataset_format", ["alpaca", "prompt_completion", "text"])
+def test_an_answer_ending_in_a_many_token_character_is_trained_to_its_last_byte(tmp_path, name, dataset_format):
+    """Real tokenizers split an emoji or a rare CJK character into several tokens; every one of them is trained (the
+    run used to stop at the first, so the model never learned to finish the character before EOS)."""
+    tokenizer_dir = FIXTURES / "tokenizers" / name
+    if not tokenizer_dir.is_dir():
+        pytest.skip(f"real tokenizers not found at {FIXTURES / 'tokenizers'} (../shared/fixtures is beside a checkout)")
+    answers = {"alpaca": lambda a: {"instruction": "Say it.", "output": a},
+               "prompt_completion": lambda a: {"prompt": "Say it: ", "completion": a}, "text": lambda a: {"text": a}}
+    rows = [answers[dataset_format](answer) for answer in MULTI_TOKEN_ENDINGS]
+    config = load_recipe({"model_name_or_path": str(EMBEDDED_MODEL), "tokenizer_name_or_path": str(tokenizer_dir),
+                          "dataset": str(write_json(tmp_path / "data.json", rows)), "max_length": 64})
+    tokenizer = load_tokenizer(config)
+    train, _ = build_datasets(config, tokenizer)
+    for answer, labels in zip(MULTI_TOKEN_ENDINGS, train["labels"]):
+        trained = [t for t in labels if t != IGNORE_INDEX]
+        assert trained[-1] == tokenizer.eos_token_id
+        whole = answer if dataset_format != "text" else answer[-2:]  # text never trains its first token
+        assert tokenizer.decode(trained[:-1]).endswith(whole), tokenizer.convert_ids_to_tokens(trained)

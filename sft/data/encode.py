@@ -109,6 +109,13 @@ def _token_at(alignment: TokenAlignment, chars: range) -> int | None:
 
 
 def _token_run(alignment: TokenAlignment, start: int, end: int) -> tuple[int, int]:
-    """Tokens [first, last + 1) overlapping characters [start, end); (0, 0) when none does."""
+    """Tokens [first, last + 1) overlapping characters [start, end); (0, 0) when none does. One character can take
+    several tokens (byte fallback, byte-level BPE: an emoji or a rare CJK character), and char_to_token names the
+    first: the run goes on through every later token that starts inside the span."""
     first, last = _token_at(alignment, range(start, end)), _token_at(alignment, range(end - 1, start - 1, -1))
-    return (first, last + 1) if first is not None and last is not None else (0, 0)
+    if first is None or last is None:
+        return 0, 0
+    offsets = alignment.offsets
+    while last + 1 < len(offsets) and offsets[last + 1][0] < end and offsets[last + 1][1] > offsets[last + 1][0]:
+        last += 1
+    return first, last + 1
