@@ -25,7 +25,8 @@ from sft.data.formats import ALPACA_PROMPT_NO_INPUT, detect_format, row_renderer
 from sft.data.show import show_examples
 from sft.errors import SFTError
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+from conftest import FIXTURES, REPO
+
 TOKENIZERS = FIXTURES / "tokenizers"
 needs_fixtures = pytest.mark.skipif(not TOKENIZERS.is_dir(), reason=f"real tokenizers not found at {TOKENIZERS} "
                                     "(the shared fixtures live in ../shared next to the repository)")
@@ -442,3 +443,22 @@ def test_resolve_chat_template(tmp_path, chatml_tok):
         resolve_chat_template("chatlm", chatml_tok)
     with pytest.raises(SFTError, match="does not exist"):
         resolve_chat_template(str(tmp_path / "missing.jinja"), chatml_tok)
+
+
+def test_chat_data_tokenizes_in_several_processes_as_in_one(tmp_path):
+    """`dataset_num_proc: 2` pickles the chat renderer into worker processes; its compiled Jinja template cannot be
+    pickled, and chat data crashed with a traceback there (Alpaca did not). Fresh copies of the quickstart chat
+    data, so no tokenized cache from an earlier run answers instead."""
+    from sft.data.build import build_datasets
+    from sft.training.recipe import load_recipe
+
+    tokenized = {}
+    for num_proc in (2, 1):
+        data = tmp_path / str(num_proc) / "chat.jsonl"
+        data.parent.mkdir()
+        shutil.copy(REPO / "data" / "chat_sample.jsonl", data)
+        config = load_recipe(REPO / "recipes" / "quickstart-chat.yaml", dataset=str(data), eval_split_size=0,
+                             eval_strategy="no", dataset_num_proc=num_proc)
+        train, _ = build_datasets(config)
+        tokenized[num_proc] = train.to_dict()
+    assert tokenized[2] == tokenized[1] and len(tokenized[1]["input_ids"]) > 10

@@ -92,6 +92,15 @@ class ChatRenderer:
         self._string_arguments = self._needs_string_arguments()
         self._reads_reasoning = bool(READS_REASONING.search(self.template))
 
+    def __getstate__(self) -> dict:
+        """`dataset_num_proc` workers get the renderer pickled; a compiled Jinja template cannot be (it holds a
+        ContextVar), so each worker compiles it again."""
+        return {key: value for key, value in self.__dict__.items() if key != "_compiled"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._compiled = _compile_jinja_template(self.template)
+
     def render_row(self, row: dict, where: str, row_number: int) -> list[Rendered]:
         """The row's examples: usually one; one per trained turn the template renders differently in history
         (history: split); none when the row has no assistant turn and no_assistant_turn is drop."""
