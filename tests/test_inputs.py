@@ -47,6 +47,29 @@ def test_a_single_chat_row_is_a_row_not_a_wrapper(tmp_path):
     assert rows_of(path) == [row]
 
 
+MIXED = [  # real-world chat rows: content as text or as parts, tool-call arguments as a string or an object
+    {"messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+                  {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                      "name": "weather", "arguments": {"city": "Paris"}}}]},
+                  {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]},
+    {"messages": [{"role": "user", "content": "And in Rome?"},
+                  {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                      "name": "weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+                  {"role": "tool", "content": "rain"}, {"role": "assistant", "content": "Rain."}]}]
+
+
+def test_mixed_type_rows_read_the_same_from_every_json_shape(tmp_path):
+    """A UTF-8 BOM or a {"data": [...]} wrapper sends a file through sft's own reader: rows whose fields change
+    type from row to row failed there with an Arrow traceback while the plain JSON Lines file loaded."""
+    plain, bom, wrapped = tmp_path / "plain.jsonl", tmp_path / "bom.jsonl", tmp_path / "wrapped.json"
+    plain.write_text("\n".join(json.dumps(r) for r in MIXED))
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    wrapped.write_text(json.dumps({"data": MIXED}))
+    assert rows_of(bom) == rows_of(wrapped) == rows_of(plain)
+    assert rows_of(plain)[2]["messages"][1]["tool_calls"][0]["function"]["arguments"] == "{\"city\": \"Rome\"}"
+
+
 def test_hidden_and_checkpoint_folders_are_not_data(tmp_path):
     (tmp_path / "part1.json").write_text(json.dumps(ROWS))
     for hidden in (".ipynb_checkpoints/part1-checkpoint.json", ".cache/copy.json"):

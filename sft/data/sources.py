@@ -4,6 +4,7 @@ import codecs
 import hashlib
 import json
 import logging
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,10 +160,19 @@ def _json_rows(path: Path, text: str) -> list[dict]:
 
 
 def _from_rows(files: list[Path], parts: list[list[dict]], split: str) -> datasets.Dataset:
-    """A Dataset of rows read here; columns are the union of every row's keys (missing ones are None)."""
-    rows = [row for part in parts for row in part]
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    ds = datasets.Dataset.from_dict({key: [row.get(key) for row in rows] for key in columns})
+    """A Dataset of rows read here; columns are the union of every row's keys (missing ones are None). They go
+    through datasets' own JSON reader, as a plain file does: it types a field that holds text in one row and a list
+    or object in another (message content as parts, tool-call arguments as a string or an object) as Json, where
+    Dataset.from_dict fails with an Arrow error."""
+    with tempfile.TemporaryDirectory(prefix="sft-rows-") as tmp:
+        lines = Path(tmp) / "rows.jsonl"
+        lines.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for part in parts for row in part),
+                         encoding="utf-8")
+        try:  # in memory: nothing is left in the folder removed below
+            ds = datasets.load_dataset("json", data_files=str(lines), split="train", cache_dir=tmp,
+                                       keep_in_memory=True)
+        except Exception as err:  # datasets wraps Arrow's type errors in several types
+            raise SFTError(f"Could not read dataset {files[0]}: {_first_line(err)}") from None
     # The tokenization cache keys on the fingerprint; make it follow the files' content, not a random id.
     ds._fingerprint = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
     if split == "train":
