@@ -462,3 +462,15 @@ def test_chat_data_tokenizes_in_several_processes_as_in_one(tmp_path):
         train, _ = build_datasets(config)
         tokenized[num_proc] = train.to_dict()
     assert tokenized[2] == tokenized[1] and len(tokenized[1]["input_ids"]) > 10
+
+
+def test_an_answer_that_writes_a_stop_token_is_refused_naming_it(chatml_tok):
+    """The turn's trained tokens end at the first stop token, so an answer mentioning one literally would be cut
+    there; the error names the token (it used to blame the chat template)."""
+    messages = [{"role": "user", "content": "How does a turn end?"},
+                {"role": "assistant", "content": "With <|im_end|>, then the next turn starts."}]
+    with pytest.raises(SFTError, match=r"row 4, messages\[1\]: this assistant message contains '<\|im_end\|>', a "
+                                       r"token generation stops on.*Remove '<\|im_end\|>'"):
+        ChatRenderer(chatml_tok, "chatml").render_row({"messages": messages}, "x", 4)
+    messages[1]["content"] = "With < |im_end| >, then the next turn starts."  # control: not the token
+    assert only(ChatRenderer(chatml_tok, "chatml").render_row({"messages": messages}, "x", 4)).spans

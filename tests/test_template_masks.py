@@ -459,3 +459,21 @@ def test_stop_tokens_come_from_eos_and_the_generation_config():
     tok, stops = family_tokenizer("glm4moe")  # no end-of-turn token: the next role tag the template writes
     assert stop_tokens(tok) == ["<|endoftext|>", "<|user|>"]
     assert stop_tokens(tok, None, stops) == ["<|endoftext|>", "<|user|>", "<|observation|>"]
+
+
+def tool_row(arguments) -> dict:
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+    return {"messages": [{"role": "user", "content": "Weather in München?"}, call, RESULT, SUNNY], "tools": TOOLS}
+
+
+@pytest.mark.parametrize("name,arguments,rendered", [
+    ("deepseekv3", '{"city":"München"}', '{"city":"München"}'),  # the data's own text, not re-serialised
+    ("deepseekv3", {"city": "München"}, '{"city": "München"}'),  # as transformers' tojson writes it
+    ("qwen2_5", '{"city":"München"}', '{"city": "München"}')])  # a tojson template gets the mapping
+def test_tool_call_arguments_are_trained_as_the_template_writes_them(name, arguments, rendered):
+    """DeepSeek-V3 concatenates argument strings: a string in the data is trained verbatim (it was parsed and
+    re-serialised with json.dumps' ensure_ascii, training `M\\u00fcnchen` and other spacing); tojson templates
+    serialise a mapping."""
+    tok, stops = family_tokenizer(name)
+    assert rendered in trained_texts(tok, name, tool_row(arguments), stops)[0]

@@ -34,7 +34,7 @@ from sft.data.chat_templates import (
     tokens_not_in_vocab,
 )
 from sft.data.formats import Rendered
-from sft.data.messages import Message, Row, conversation
+from sft.data.messages import Message, Row, conversation, parsed_arguments
 from sft.errors import SFTError
 
 THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written inside the content
@@ -201,6 +201,11 @@ class ChatRenderer:
 
     def _check_rendered(self, generated: str, message: Message, ctx: Row) -> None:
         """The answer, reasoning and tool calls of the message must all be in what the template renders for it."""
+        written = [stop for stop in self.stops if any(stop in text for text in (message.answer, message.reasoning))]
+        if written:  # the turn's tokens end at the first stop: the rest would be cut, whatever the template
+            raise ctx.error(f"this assistant message contains {written[0]!r}, a token generation stops on, so the "
+                            "turn would end there", f"Remove {written[0]!r} from the message, or write it so that "
+                            "it is not that token (e.g. with a space inside).", message.label)
         dropped = [what for what, text in (("content", message.answer), ("reasoning", message.reasoning))
                    if text.strip() and text.strip() not in generated]
         calls = [c["function"]["name"] for c in message.data.get("tool_calls") or []]
@@ -246,10 +251,16 @@ class ChatRenderer:
             message.reasoning = think.group(1)
         if self._parts:
             data["content"] = [{"type": "text", "text": data["content"]}]
-        if self._string_arguments:
-            for call in data.get("tool_calls") or []:
-                arguments = call["function"]["arguments"]
-                call["function"]["arguments"] = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        for call in data.get("tool_calls") or []:
+            call["function"]["arguments"] = self._template_arguments(call["function"]["arguments"])
+
+    def _template_arguments(self, arguments: Any) -> Any:
+        """Tool-call arguments as this template takes them: a mapping for tojson, or a JSON string for a template
+        that concatenates it (DeepSeek-V3): the data's own text where it gave one, else serialised as transformers'
+        tojson does (non-ASCII kept: ensure_ascii would train `M\\u00fcnchen` for `München`)."""
+        if not self._string_arguments:
+            return parsed_arguments(arguments)
+        return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
     def _trained_turns(self, messages: list[Message]) -> set[int]:
         """Indices of the assistant messages whose tokens are trained."""

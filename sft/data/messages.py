@@ -138,14 +138,22 @@ def _tool_call(raw: Any, label: str, ctx: Row) -> dict:
 
 
 def _arguments(value: Any) -> Any:
-    """Tool-call arguments as a dict where possible (templates serialise them with tojson)."""
+    """Tool-call arguments as the data gives them: a JSON string kept verbatim (a template that concatenates it,
+    DeepSeek-V3's, renders that text), a mapping without Arrow's nulls; ChatRenderer adapts them to its template."""
+    if isinstance(value, str):
+        return value
+    return _drop_nulls(value) if value is not None else {}
+
+
+def parsed_arguments(value: Any) -> Any:
+    """Tool-call arguments as a mapping where a JSON string holds one (templates serialise them with tojson)."""
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
             return value
         return parsed if isinstance(parsed, dict) else value
-    return _drop_nulls(value) if value is not None else {}
+    return value
 
 
 def _drop_nulls(value: Any) -> Any:
