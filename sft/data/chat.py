@@ -15,11 +15,9 @@ it is trained there; otherwise (the template renders history differently) the `h
 reasoning or tool calls the template does not render raises SFTError naming the row.
 """
 
-import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -27,19 +25,18 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 from sft.config.names import HISTORY, NO_ASSISTANT_TURN
 from sft.data.chat_templates import (
     PRESETS,
-    REPLY_MARK,
     TEMPLATE_ERRORS,
     resolve_chat_template,
     stop_tokens,
     tokens_not_in_vocab,
 )
 from sft.data.formats import Rendered
-from sft.data.messages import Message, Row, conversation, parsed_arguments
+from sft.data.messages import Message, Row, conversation
+from sft.data.template_inputs import TemplateInputs
 from sft.errors import SFTError
 
 THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written inside the content
 EMPTY_THINK = re.compile(r"<think>\s*</think>")  # what reasoning templates write for a turn without reasoning
-READS_REASONING = re.compile(r"reasoning_content|\.thinking\b|\[['\"]thinking['\"]\]")  # a template reading it
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +85,7 @@ class ChatRenderer:
             _warn_split_tokens(tokenizer, chat_template)
         self.stops = stop_tokens(tokenizer, self.template, generation_eos)
         self._stop = _alternation(self.stops)
-        self._parts = self._needs_text_parts()
-        self._string_arguments = self._needs_string_arguments()
-        self._reads_reasoning = bool(READS_REASONING.search(self.template))
+        self._inputs = TemplateInputs.probe(self.template, self._compiled, self._variables)
 
     def __getstate__(self) -> dict:
         """`dataset_num_proc` workers get the renderer pickled; a compiled Jinja template cannot be (it holds a
@@ -241,26 +236,18 @@ class ChatRenderer:
         content = data["content"]
         message.answer = content
         think = THINK.match(content) if message.role == "assistant" else None
-        if think and self._reads_reasoning and not data.get("reasoning_content"):
+        if think and self._inputs.reads_reasoning and not data.get("reasoning_content"):
             data["reasoning_content"], data["content"] = think.group(1).strip("\n"), content[think.end():]
             message.answer = data["content"]
         if data.get("reasoning_content"):
             data["thinking"] = message.reasoning = data["reasoning_content"]  # GPT-OSS reads `thinking`
-        elif think and not self._reads_reasoning:
+        elif think and not self._inputs.reads_reasoning:
             message.answer = content[think.end():]  # rendered verbatim; a template that drops it is refused
             message.reasoning = think.group(1)
-        if self._parts:
+        if self._inputs.parts:
             data["content"] = [{"type": "text", "text": data["content"]}]
         for call in data.get("tool_calls") or []:
-            call["function"]["arguments"] = self._template_arguments(call["function"]["arguments"])
-
-    def _template_arguments(self, arguments: Any) -> Any:
-        """Tool-call arguments as this template takes them: a mapping for tojson, or a JSON string for a template
-        that concatenates it (DeepSeek-V3): the data's own text where it gave one, else serialised as transformers'
-        tojson does (non-ASCII kept: ensure_ascii would train `M\\u00fcnchen` for `München`)."""
-        if not self._string_arguments:
-            return parsed_arguments(arguments)
-        return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            call["function"]["arguments"] = self._inputs.arguments(call["function"]["arguments"])
 
     def _trained_turns(self, messages: list[Message]) -> set[int]:
         """Indices of the assistant messages whose tokens are trained."""
@@ -269,36 +256,6 @@ class ChatRenderer:
             last = max(i for i, m in enumerate(messages) if m.role == "assistant")
             trained = [i for i in trained if i == last]
         return set(trained)
-
-    def _needs_text_parts(self) -> bool:
-        """True for templates that only read content as a list of typed parts (LLaVA-Next, Idefics3)."""
-        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": REPLY_MARK}]
-        try:
-            if REPLY_MARK in self._compiled.render(messages=probe, **self._variables):
-                return False
-        except TEMPLATE_ERRORS:
-            pass
-        parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in probe]
-        try:
-            return REPLY_MARK in self._compiled.render(messages=parts, **self._variables)
-        except TEMPLATE_ERRORS:
-            return False
-
-    def _needs_string_arguments(self) -> bool:
-        """True for templates that concatenate tool-call arguments as a JSON string (DeepSeek-V3) and fail on the
-        mapping the others serialise with tojson."""
-        def probe(arguments: Any) -> list[dict]:
-            call = {"type": "function", "function": {"name": "sft_probe", "arguments": arguments}}
-            return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-        try:
-            self._compiled.render(messages=probe({"x": 1}), **self._variables)
-            return False
-        except TEMPLATE_ERRORS:
-            pass
-        try:
-            return "sft_probe" in self._compiled.render(messages=probe('{"x": 1}'), **self._variables)
-        except TEMPLATE_ERRORS:
-            return False
 
     def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, ctx: Row) -> str:
         """The template's text for `messages`; template errors become SFTError naming the row.

@@ -145,17 +145,6 @@ def _arguments(value: Any) -> Any:
     return _drop_nulls(value) if value is not None else {}
 
 
-def parsed_arguments(value: Any) -> Any:
-    """Tool-call arguments as a mapping where a JSON string holds one (templates serialise them with tojson)."""
-    if isinstance(value, str):
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            return value
-        return parsed if isinstance(parsed, dict) else value
-    return value
-
-
 def _drop_nulls(value: Any) -> Any:
     """Remove null entries from dicts: Arrow fills keys absent from a row with null when it unifies structs."""
     if isinstance(value, dict):
