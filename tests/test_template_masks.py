@@ -393,13 +393,12 @@ def test_generation_block_mask_agrees_except_the_newline_after_the_stop(kind):
                           tok.decode(ids[i - 1]) == "<|im_end|>" for i in differ)
 
 
-def test_sft_data_reports_reasoning_tokens_and_split_rows(tmp_path, capsys):
+def qwen3_recipe(tmp_path, rows: list[dict], **keys) -> str:
+    """A recipe for `rows` on a 1-layer Llama with the Qwen3 template, its tokenizer and its stop tokens."""
     import json
 
     import yaml
     from transformers import GenerationConfig, LlamaConfig
-
-    from sft.cli.main import main
 
     tok, stops = family_tokenizer("qwen3")
     model = tmp_path / "model"
@@ -408,19 +407,48 @@ def test_sft_data_reports_reasoning_tokens_and_split_rows(tmp_path, capsys):
                 num_attention_heads=4).save_pretrained(model)
     GenerationConfig(eos_token_id=stops).save_pretrained(model)  # the stop tokens come from here
     data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(json.dumps(CONVERSATIONS[k]) for k in ("reasoning", "multi")), encoding="utf-8")
+    data.write_text("\n".join(json.dumps(row) for row in rows), encoding="utf-8")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"model_name_or_path": str(model), "dataset": str(data),
-                                      "output_dir": str(tmp_path / "run"), "max_length": 512}), encoding="utf-8")
-    assert main(["data", str(recipe), "--json"]) in (0, None)
-    stats = json.loads(capsys.readouterr().out)
+                                      "output_dir": str(tmp_path / "run"), "max_length": 512, **keys}),
+                      encoding="utf-8")
+    return str(recipe)
+
+
+def sft_data_json(recipe: str, capsys, *flags: str) -> dict:
+    import json
+
+    from sft.cli.main import main
+
+    assert main(["data", recipe, "--json", *flags]) in (0, None)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_sft_data_reports_reasoning_tokens_and_split_rows(tmp_path, capsys):
+    from sft.cli.main import main
+
+    tok, _ = family_tokenizer("qwen3")
+    recipe = qwen3_recipe(tmp_path, [CONVERSATIONS[k] for k in ("reasoning", "multi")])
+    stats = sft_data_json(recipe, capsys)
     pieces = ["<think>\nAdd two and two.\n</think>", "<think>\nAdd three and three.\n</think>",
               "<think>\n\n</think>", "<think>\n\n</think>"]
     assert stats["reasoning_tokens"] == sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in pieces)
     assert (stats["rows"], stats["history"], stats["split_rows"]) == (4, "split", 2)  # each row's first turn split
-    assert main(["data", str(recipe), "--show", "1"]) in (0, None)
+    assert main(["data", recipe, "--show", "1"]) in (0, None)
     shown = capsys.readouterr().out
     assert "[[reasoning: <think>\nAdd two and two.\n</think>]]" in shown and "history" in shown
+
+
+def test_sft_data_counts_a_split_example_that_max_length_drops(tmp_path, capsys):
+    """history: split makes two examples of the first row; the second, whose long question fills max_length, keeps
+    no trained token and is dropped. It is counted as split and dropped: the examples in the data plus the dropped
+    ones are the rows in the file plus the split ones."""
+    long_question = dict(ASK_AGAIN, content="And " + "3+3 and " * 60 + "3+3?")
+    recipe = qwen3_recipe(tmp_path, [{"messages": [ASK, FOUR, long_question, SIX]}, {"messages": [ASK, FOUR]}])
+    stats = sft_data_json(recipe, capsys, "--max_length", "60")
+    assert (stats["rows"], stats["split_rows"], stats["dropped_rows"], stats["truncated_rows"]) == (2, 1, 1, 0)
+    stats = sft_data_json(recipe, capsys)  # control: at 512 tokens the split example is kept
+    assert (stats["rows"], stats["split_rows"], stats["dropped_rows"], stats["truncated_rows"]) == (3, 1, 0, 0)
 
 
 @pytest.mark.parametrize("name", ["gptoss", "qwen3", "glm4moe", "llama3_1", "nemotron_3_nano"])

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 import datasets
+import numpy as np
 import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
@@ -139,15 +140,31 @@ def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedToken
         fn_kwargs={"render": render, "encoding": encoding, "where": source.label},
         new_fingerprint=cache_fingerprint(raw, tokenizer, config, decided, encoding, model),
     )
+    # Examples are rendered rows plus the extra ones `history: split` made, counted before any is dropped: a split
+    # example with nothing trained is a lost example, not a row that was never made.
+    split_rows = column_sum(tokenized, "split")
+    tokenized = trained_examples(tokenized)
     if len(tokenized) == 0:
         raise SFTError(f"Dataset {source.label}: all {len(raw)} rows were dropped because no trained token fits in "
                        f"max_length={config.max_length}. Raise max_length or shorten the prompts.")
-    counts = {c: pc.sum(tokenized.with_format("arrow")[c]).as_py() or 0 for c in COUNT_COLUMNS if c in
-              tokenized.column_names}  # no per-row Python iteration
+    truncated, reasoning = column_sum(tokenized, "truncated"), column_sum(tokenized, "reasoning")
     tokenized = tokenized.remove_columns([c for c in COUNT_COLUMNS if c in tokenized.column_names])
-    dropped = max(len(raw) + counts.get("split", 0) - len(tokenized), 0)
-    return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, counts.get("truncated", 0),
-                    sources=[decided], reasoning_tokens=counts.get("reasoning", 0), split_rows=counts.get("split", 0))
+    dropped = len(raw) + split_rows - len(tokenized)  # examples with nothing trained, rows that rendered none
+    return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, truncated,
+                    sources=[decided], reasoning_tokens=reasoning, split_rows=split_rows)
+
+
+def column_sum(dataset: datasets.Dataset, name: str) -> int:
+    """The sum of a count column (0 where the encoding writes none), in Arrow: no per-row Python iteration."""
+    return (pc.sum(dataset.with_format("arrow")[name]).as_py() or 0) if name in dataset.column_names else 0
+
+
+def trained_examples(tokenized: datasets.Dataset) -> datasets.Dataset:
+    """The examples with a trained token (the others teach nothing), without the `trained` column."""
+    trained = np.asarray(tokenized.with_format("arrow")["trained"].to_numpy())
+    if not trained.all():
+        tokenized = tokenized.select(np.flatnonzero(trained))
+    return tokenized.remove_columns("trained")
 
 
 CACHE_FIELDS = ("completion_only_loss", "max_length", "truncation_side", "assistant_only_loss", "chat_template",
@@ -194,7 +211,8 @@ def make_renderer(config: SFTConfig, decided: SourceFormat, tokenizer: PreTraine
 
 
 def encode_batch(batch: dict, indices: list[int], render: Callable, encoding: Encoding, where: str) -> dict:
-    """datasets.map body: render each row, tokenize the batch, drop rows with nothing to train."""
+    """datasets.map body: render each row, tokenize the batch; examples with nothing trained are kept here (with
+    `trained` 0) so that they are counted before they are dropped (trained_examples)."""
     keys = list(batch)
     rows: list[Rendered] = []
     for i, index in enumerate(indices):
@@ -202,8 +220,7 @@ def encode_batch(batch: dict, indices: list[int], render: Callable, encoding: En
         rows += out if isinstance(out, list) else [out] if isinstance(out, Rendered) else []  # chat: 0..n examples
     encoded = encoding.encode(rows)
     encoded.pop("kinds", None)  # only `sft data --show` looks at them
-    keep = [i for i, trained in enumerate(encoded.pop("trained")) if trained]
-    return {key: [values[i] for i in keep] for key, values in encoded.items()}
+    return encoded
 
 
 def split_off_eval(train: Prepared, size: float, seed: int) -> tuple[Prepared, Prepared]:
