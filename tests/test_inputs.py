@@ -1,21 +1,28 @@
 """Inputs a user has are read: BOM, `~`, one JSON object or a {"data": [...]} wrapper, hidden folders skipped, split
-slices in `sft check`; duplicate recipe keys refused; a tokenizer of another family warned about."""
+slices in `sft check`; duplicate recipe keys refused; a tokenizer of another family warned about; weighted sources
+and eval_split_size hold out rows, not copies, and the stats count the training part only."""
 
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
+from transformers import AutoTokenizer
 
+from sft import build_datasets
+from sft.cli.main import main
 from sft.data.sources import Source, load_source
 from sft.errors import SFTError
 from sft.training.recipe import load_recipe
 
-from conftest import FIXTURES
+from conftest import EMBEDDED_MODEL, FIXTURES, REPO, write_json
 
 CORPUS = Path(__file__).parent / "bad_inputs"
 ROWS = json.loads((CORPUS / "good.json").read_text())
 TOKENIZERS = FIXTURES / "tokenizers"
+ALPACA = REPO / "data" / "alpaca_sample.json"  # 400 distinct rows, none over 100 tokens on the embedded model
 
 
 def rows_of(path: Path, split: str = "train") -> list[dict]:
@@ -122,3 +129,42 @@ def test_a_tokenizer_of_another_family_warns_with_the_new_rows(tiny_model_dir, c
         load_model(config, tokenizer)
     rows = len(tokenizer) - len(own)
     assert f"so {rows} new untrained rows are added" in caplog.text
+
+
+def data_keys(tmp_path, dataset, **keys) -> dict:
+    """Recipe keys for `dataset` on the embedded tiny Llama."""
+    return {"model_name_or_path": str(EMBEDDED_MODEL), "dataset": dataset, "max_length": 256,
+            "output_dir": str(tmp_path / "out"), "report_to": "none", **keys}
+
+
+def test_weighted_sources_hold_out_rows_and_repeat_only_the_training_ones(tmp_path):
+    """eval_split_size holds out rows of the data, each once; `weight` then repeats the rows left for training, so
+    no held-out row is trained on."""
+    texts = write_json(tmp_path / "texts.jsonl", [{"text": f"Note {i}: the quick brown fox."} for i in range(20)],
+                       jsonl=True)
+    config = load_recipe(data_keys(tmp_path, [{"path": str(ALPACA), "weight": 2}, str(texts)], eval_split_size=0.1))
+    train, evaluation = build_datasets(config)
+    held, trained = Counter(map(tuple, evaluation["input_ids"])), Counter(map(tuple, train["input_ids"]))
+    assert len(held) == sum(held.values()) == 42  # 10% of the 420 rows, each once
+    assert not held.keys() & trained.keys()
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
+    notes = {ids for ids in trained if "Note " in tokenizer.decode(ids)}
+    # control: the comparison sees repeated rows: the Alpaca source's (weight 2) twice, the other source's once
+    assert {trained[ids] for ids in notes} == {1} and {trained[ids] for ids in trained.keys() - notes} == {2}
+    assert len(trained) + len(held) == 420
+
+
+def test_training_stats_count_only_the_rows_left_for_training(tmp_path, capsys):
+    """With eval_split_size, `sft data` (and data_stats.json) count truncated rows of the training part only."""
+    data = write_json(tmp_path / "lengths.jsonl", [{"text": " ".join(["word"] * n)} for n in range(1, 41)],
+                      jsonl=True)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data_keys(tmp_path, str(data), eval_split_size=0.5, max_length=24)))
+    assert main(["data", str(recipe), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    # The same rows are held out at any max_length (text rows are never dropped): untruncated, they show which
+    # training rows are over 24 tokens.
+    whole, held = build_datasets(load_recipe(data_keys(tmp_path, str(data), eval_split_size=0.5, max_length=1000)))
+    over, held_over = sum(n > 24 for n in whole["length"]), sum(n > 24 for n in held["length"])
+    assert stats["rows"] == len(whole) == len(held) == 20
+    assert stats["truncated_rows"] == over > 0 and held_over > 0  # control: both parts have rows over 24 tokens

@@ -451,6 +451,25 @@ def test_sft_data_counts_a_split_example_that_max_length_drops(tmp_path, capsys)
     assert (stats["rows"], stats["split_rows"], stats["dropped_rows"], stats["truncated_rows"]) == (3, 1, 0, 0)
 
 
+def test_eval_split_holds_out_every_example_of_a_split_row(tmp_path):
+    """eval_split_size: 4 holds out 4 conversations; the two examples history: split makes of each stay together."""
+    import re
+    from collections import Counter
+
+    from sft import build_datasets, load_recipe
+
+    tok, _ = family_tokenizer("qwen3")
+    rows = [{"messages": [dict(ASK, content=f"Row {i}: what is 2+2?"), FOUR, ASK_AGAIN, SIX]} for i in range(20)]
+    train, evaluation = build_datasets(load_recipe(qwen3_recipe(tmp_path, rows, eval_split_size=4)))
+
+    def row_numbers(dataset) -> Counter:
+        return Counter(re.search(r"Row (\d+):", tok.decode(ids))[1] for ids in dataset["input_ids"])
+
+    held, trained = row_numbers(evaluation), row_numbers(train)
+    assert len(held) == 4 and set(held.values()) == {2}
+    assert len(trained) == 16 and set(trained.values()) == {2} and not held.keys() & trained.keys()
+
+
 @pytest.mark.parametrize("name", ["gptoss", "qwen3", "glm4moe", "llama3_1", "nemotron_3_nano"])
 def test_real_tool_call_data_trains_calls_and_answers_never_results(name):
     """40 real glaive conversations (ShareGPT function_call / observation turns): every call and answer is

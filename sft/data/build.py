@@ -1,7 +1,8 @@
 """build_datasets: recipe sources -> tokenized train/eval datasets with input_ids and labels (-100 = not trained)."""
 
+import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -36,7 +37,8 @@ from sft.data.tokenizer import load_tokenizer
 from sft.errors import SFTError
 from sft.models.loading import is_encoder_decoder
 
-COUNT_COLUMNS = ["truncated", "reasoning", "split"]  # per-example counts summed into Prepared, then removed
+ROW = "row"  # the source row an example came from: the examples `history: split` makes of one row share it
+COUNT_COLUMNS = ["truncated", "reasoning", "split"]  # per-example counts, summed per part after the eval split
 
 
 @dataclass
@@ -56,11 +58,23 @@ class Prepared:
     """A tokenized dataset, how many rows were dropped or truncated on the way, and each source's format."""
 
     dataset: datasets.Dataset
-    dropped_rows: int
-    truncated_rows: int
+    dropped_rows: int  # examples with no trained token, rows that rendered none (with eval_split_size: all train's)
+    truncated_rows: int  # examples of `dataset` cut to max_length, each counted once whatever its source's weight
     sources: list[SourceFormat] = field(default_factory=list)
     reasoning_tokens: int = 0  # trained tokens inside reasoning blocks (chat data)
     split_rows: int = 0  # extra examples made by `history: split` (chat data)
+
+
+@dataclass
+class Tokenized:
+    """One source's examples with something trained, before weighting: each keeps its ROW and COUNT_COLUMNS until
+    the eval split is made and the counts are summed per part (combine)."""
+
+    source: Source
+    decided: SourceFormat
+    examples: datasets.Dataset
+    dropped_rows: int  # examples with no trained token, and rows that rendered none
+    dropped_split_rows: int  # how many of the dropped examples `history: split` made
 
 
 def build_datasets(config: SFTConfig, tokenizer: PreTrainedTokenizerBase | None = None,
@@ -78,17 +92,17 @@ def build_datasets(config: SFTConfig, tokenizer: PreTrainedTokenizerBase | None 
 def prepare_splits(config: SFTConfig, tokenizer: PreTrainedTokenizerBase | None = None,
                    ) -> tuple[Prepared, Prepared | None]:
     """Train and eval data with their drop/truncation counts."""
-    if tokenizer is None:
-        tokenizer = load_tokenizer(config)
-    model = ModelFacts.of(config)
-    train = prepare(parse_sources(config.dataset), config, tokenizer, model)
+    if config.eval_dataset is not None and config.eval_split_size:
+        raise SFTError("Set either `eval_dataset` or `eval_split_size`, not both.")
+    build = Build(config, load_tokenizer(config) if tokenizer is None else tokenizer, ModelFacts.of(config))
+    train = [tokenize_source(source, build) for source in parse_sources(config.dataset)]
     if config.eval_dataset is not None:
-        if config.eval_split_size:
-            raise SFTError("Set either `eval_dataset` or `eval_split_size`, not both.")
-        return train, prepare(parse_sources(config.eval_dataset, "eval_dataset"), config, tokenizer, model)
+        evaluation = [tokenize_source(source, build) for source in parse_sources(config.eval_dataset, "eval_dataset")]
+        return combine(train, config), combine(evaluation, config)
     if not config.eval_split_size:
-        return train, None
-    return split_off_eval(train, config.eval_split_size, config.seed)
+        return combine(train, config), None
+    train, evaluation = split_off_eval(train, config.eval_split_size, config.seed)
+    return combine(train, config), combine(evaluation, config)
 
 
 @dataclass(frozen=True)
@@ -103,55 +117,56 @@ class ModelFacts:
         return cls(is_encoder_decoder(config), generation_eos(config.model_name_or_path))
 
 
-def prepare(sources: list[Source], config: SFTConfig, tokenizer: PreTrainedTokenizerBase,
-            model: ModelFacts) -> Prepared:
-    """Load, render, tokenize and weight every source, then concatenate them."""
-    parts = [prepare_source(s, config, tokenizer, model) for s in sources]
-    dataset = datasets.concatenate_datasets([p.dataset for p in parts]) if len(parts) > 1 else parts[0].dataset
-    if len(dataset) == 0:
-        raise SFTError(f"No training rows left in {', '.join(s.label for s in sources)}: every row was dropped "
-                       f"(no trained token within max_length={config.max_length}). Raise max_length or check the data.")
-    return Prepared(dataset, sum(p.dropped_rows for p in parts), sum(p.truncated_rows for p in parts),
-                    sources=[decided for p in parts for decided in p.sources],
-                    reasoning_tokens=sum(p.reasoning_tokens for p in parts),
-                    split_rows=sum(p.split_rows for p in parts))
+@dataclass(frozen=True)
+class Build:
+    """What every source of one build shares: the recipe, the tokenizer and the model's facts."""
+
+    config: SFTConfig
+    tokenizer: PreTrainedTokenizerBase
+    model: ModelFacts
+
+    def renderer(self, decided: SourceFormat, raw: datasets.Dataset) -> Callable:
+        """row -> Rendered (or a list of them) for a source."""
+        if self.model.encoder_decoder:  # T5, BART, ...: source -> encoder input_ids, target + EOS -> labels
+            return pair_renderer(decided.format)
+        return make_renderer(self.config, decided, self.tokenizer, raw, self.model.generation_eos)
+
+    def encoding(self) -> Encoding:
+        """How rendered rows become input_ids and labels."""
+        config = self.config
+        if self.model.encoder_decoder:
+            return Seq2SeqEncoding(self.tokenizer, config.max_length, config.truncation_side)
+        splits = config.packing and config.packing_strategy == "bfd_split"  # the packer cuts long examples into chunks
+        return Encoding(self.tokenizer, sys.maxsize if splits else config.max_length, config.truncation_side)
 
 
-def prepare_source(source: Source, config: SFTConfig, tokenizer: PreTrainedTokenizerBase,
-                   model: ModelFacts) -> Prepared:
-    """One source: detect its format, tokenize it in batches, count what was dropped or truncated."""
+def tokenize_source(source: Source, build: Build) -> Tokenized:
+    """One source: load it, detect its format, tokenize it in batches, count what was dropped."""
     raw = load_source(source)
     if len(raw) == 0:
         raise SFTError(f"Dataset {source.label} has no rows.")
     check_sft_data(raw.column_names, raw[0], source.label)  # DPO/KTO/image rows are refused, not half-trained
+    config = build.config
     fmt = resolve_format(config, raw.column_names, source.label)
     # Decided per source: in `[text.jsonl, alpaca.json]` the text is trained whole, the Alpaca prompts are not.
     decided = SourceFormat(source.label, fmt, default_completion_only(fmt) if config.completion_only_loss is None
                            else config.completion_only_loss)
-    if model.encoder_decoder:  # T5, BART, ...: source -> encoder input_ids, target + EOS -> labels
-        render, encoding = pair_renderer(fmt), Seq2SeqEncoding(tokenizer, config.max_length, config.truncation_side)
-    else:
-        render = make_renderer(config, decided, tokenizer, raw, model.generation_eos)
-        splits = config.packing and config.packing_strategy == "bfd_split"  # the packer cuts long examples into chunks
-        encoding = Encoding(tokenizer, sys.maxsize if splits else config.max_length, config.truncation_side)
+    encoding = build.encoding()
     tokenized = raw.map(
         encode_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
         num_proc=config.dataset_num_proc, desc=f"Tokenizing {source.label}",
-        fn_kwargs={"render": render, "encoding": encoding, "where": source.label},
-        new_fingerprint=cache_fingerprint(raw, tokenizer, config, decided, encoding, model),
+        fn_kwargs={"render": build.renderer(decided, raw), "encoding": encoding, "where": source.label},
+        new_fingerprint=cache_fingerprint(raw, build, decided, encoding),
     )
     # Examples are rendered rows plus the extra ones `history: split` made, counted before any is dropped: a split
     # example with nothing trained is a lost example, not a row that was never made.
     split_rows = column_sum(tokenized, "split")
-    tokenized = trained_examples(tokenized)
-    if len(tokenized) == 0:
+    examples = trained_examples(tokenized)
+    if len(examples) == 0:
         raise SFTError(f"Dataset {source.label}: all {len(raw)} rows were dropped because no trained token fits in "
                        f"max_length={config.max_length}. Raise max_length or shorten the prompts.")
-    truncated, reasoning = column_sum(tokenized, "truncated"), column_sum(tokenized, "reasoning")
-    tokenized = tokenized.remove_columns([c for c in COUNT_COLUMNS if c in tokenized.column_names])
-    dropped = len(raw) + split_rows - len(tokenized)  # examples with nothing trained, rows that rendered none
-    return Prepared(repeat_by_weight(tokenized, source.weight, config.seed), dropped, truncated,
-                    sources=[decided], reasoning_tokens=reasoning, split_rows=split_rows)
+    return Tokenized(source, decided, examples, dropped_rows=len(raw) + split_rows - len(examples),
+                     dropped_split_rows=split_rows - column_sum(examples, "split"))
 
 
 def column_sum(dataset: datasets.Dataset, name: str) -> int:
@@ -159,20 +174,70 @@ def column_sum(dataset: datasets.Dataset, name: str) -> int:
     return (pc.sum(dataset.with_format("arrow")[name]).as_py() or 0) if name in dataset.column_names else 0
 
 
+def column_values(dataset: datasets.Dataset, name: str) -> np.ndarray:
+    """One integer column as an array (honours a row selection)."""
+    return np.asarray(dataset.with_format("arrow")[name].to_numpy())
+
+
 def trained_examples(tokenized: datasets.Dataset) -> datasets.Dataset:
     """The examples with a trained token (the others teach nothing), without the `trained` column."""
-    trained = np.asarray(tokenized.with_format("arrow")["trained"].to_numpy())
+    trained = column_values(tokenized, "trained")
     if not trained.all():
         tokenized = tokenized.select(np.flatnonzero(trained))
     return tokenized.remove_columns("trained")
+
+
+def combine(parts: list[Tokenized], config: SFTConfig) -> Prepared:
+    """Sources weighted and concatenated, with their counts summed over each source's examples before weighting."""
+    weighted = [repeat_by_weight(part.examples, part.source.weight, config.seed) for part in parts]
+    dataset = datasets.concatenate_datasets(weighted) if len(weighted) > 1 else weighted[0]
+    if len(dataset) == 0:
+        raise SFTError(f"No rows left in {', '.join(part.source.label for part in parts)}: every row was dropped (no "
+                       f"trained token within max_length={config.max_length}) or weighted away (a `weight` below 1). "
+                       "Raise max_length or the weight, or check the data.")
+    dataset = dataset.remove_columns([c for c in (ROW, *COUNT_COLUMNS) if c in dataset.column_names])
+
+    def total(name: str) -> int:
+        return sum(column_sum(part.examples, name) for part in parts)
+
+    return Prepared(dataset, sum(part.dropped_rows for part in parts), total("truncated"),
+                    sources=[part.decided for part in parts], reasoning_tokens=total("reasoning"),
+                    split_rows=total("split") + sum(part.dropped_split_rows for part in parts))
+
+
+def split_off_eval(parts: list[Tokenized], size: float, seed: int) -> tuple[list[Tokenized], list[Tokenized]]:
+    """Hold out `size` rows (a fraction of them if < 1) of the training sources for evaluation, chosen with `seed`.
+
+    Rows, not examples, and before weighting: the examples `history: split` makes of one conversation stay on one
+    side, and no copy `weight` makes of a held-out row is trained on. Only rows with a trained example count.
+    """
+    rows = [np.unique(column_values(part.examples, ROW)) for part in parts]
+    total = sum(len(r) for r in rows)
+    held = math.ceil(size * total) if size < 1 else int(size)
+    if total < 2 or held >= total:
+        raise SFTError(f"eval_split_size={size} leaves no training rows out of {total}.")
+    chosen = np.zeros(total, dtype=bool)
+    chosen[np.random.default_rng(seed).permutation(total)[:held]] = True
+    starts = np.cumsum([0, *(len(r) for r in rows)])
+    pairs = [hold_out(part, r[chosen[a:b]]) for part, r, a, b in zip(parts, rows, starts[:-1], starts[1:])]
+    return [train for train, _ in pairs], [evaluation for _, evaluation in pairs]
+
+
+def hold_out(part: Tokenized, rows: np.ndarray) -> tuple[Tokenized, Tokenized]:
+    """A source's examples from `rows` as eval data, the others as training data. Held-out rows are evaluated once
+    each (weight 1); what was dropped stays with the training data (it was dropped before the split)."""
+    held = np.isin(column_values(part.examples, ROW), rows)
+    train = replace(part, examples=part.examples.select(np.flatnonzero(~held)))
+    evaluation = Tokenized(replace(part.source, weight=1.0), part.decided, part.examples.select(np.flatnonzero(held)),
+                           dropped_rows=0, dropped_split_rows=0)
+    return train, evaluation
 
 
 CACHE_FIELDS = ("completion_only_loss", "max_length", "truncation_side", "assistant_only_loss", "chat_template",
                 "train_on_last_turn_only", "no_assistant_turn", "history", "packing", "packing_strategy")
 
 
-def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, config: SFTConfig,
-                      decided: SourceFormat, encoding: Encoding | Seq2SeqEncoding, model: ModelFacts) -> str:
+def cache_fingerprint(raw: datasets.Dataset, build: Build, decided: SourceFormat, encoding: Encoding) -> str:
     """Cache key of the tokenized data: the raw data, the tokenizer, the recipe fields that matter and sft's code.
 
     datasets would otherwise hash the mapped function with dill (the tokenizer object included), which costs more
@@ -181,12 +246,13 @@ def cache_fingerprint(raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
     modules = (encode_module, formats_module, seq2seq_module, chat_module, messages_module, templates_module,
                sys.modules[__name__])
     code = [Path(module.__file__).read_bytes() for module in modules]
+    config, tokenizer = build.config, build.tokenizer
     tok = [tokenizer.backend_tokenizer.to_str(), str(tokenizer.chat_template), str(tokenizer.special_tokens_map),
            type(tokenizer).__name__]
     fields = [decided.format, decided.completion_only_loss, type(encoding).__name__,
               *(str(getattr(config, name)) for name in CACHE_FIELDS)]
     if decided.format in CHAT_FORMATS or decided.format == "prompt_completion":  # chat turns end at these stops
-        fields.append(str(model.generation_eos))
+        fields.append(str(build.model.generation_eos))
     return Hasher.hash([raw._fingerprint, tok, fields, code])
 
 
@@ -211,24 +277,17 @@ def make_renderer(config: SFTConfig, decided: SourceFormat, tokenizer: PreTraine
 
 
 def encode_batch(batch: dict, indices: list[int], render: Callable, encoding: Encoding, where: str) -> dict:
-    """datasets.map body: render each row, tokenize the batch; examples with nothing trained are kept here (with
-    `trained` 0) so that they are counted before they are dropped (trained_examples)."""
+    """datasets.map body: render each row, tokenize the batch, note each example's row (ROW); examples with nothing
+    trained are kept here (`trained` 0) so that they are counted before they are dropped (trained_examples)."""
     keys = list(batch)
-    rows: list[Rendered] = []
+    examples: list[Rendered] = []
+    rows: list[int] = []
     for i, index in enumerate(indices):
         out = render({k: batch[k][i] for k in keys}, where, index + 1)
-        rows += out if isinstance(out, list) else [out] if isinstance(out, Rendered) else []  # chat: 0..n examples
-    encoded = encoding.encode(rows)
+        out = out if isinstance(out, list) else [out] if isinstance(out, Rendered) else []  # chat: 0..n examples
+        examples += out
+        rows += [index] * len(out)
+    encoded = encoding.encode(examples)
     encoded.pop("kinds", None)  # only `sft data --show` looks at them
+    encoded[ROW] = rows
     return encoded
-
-
-def split_off_eval(train: Prepared, size: float, seed: int) -> tuple[Prepared, Prepared]:
-    """Hold out `size` rows (a fraction if < 1) of the tokenized training data for evaluation."""
-    test_size = size if size < 1 else int(size)
-    if len(train.dataset) < 2 or (test_size >= 1 and test_size >= len(train.dataset)):
-        raise SFTError(f"eval_split_size={size} leaves no training rows out of {len(train.dataset)}.")
-    parts = train.dataset.train_test_split(test_size=test_size, seed=seed, shuffle=True)
-    kept = Prepared(parts["train"], train.dropped_rows, train.truncated_rows, sources=train.sources,
-                    reasoning_tokens=train.reasoning_tokens, split_rows=train.split_rows)
-    return kept, Prepared(parts["test"], 0, 0, sources=train.sources)
