@@ -1,4 +1,5 @@
-"""Packing through the whole pipeline: same eval loss packed or not, stats, refusals, bfd_split."""
+"""Packing through the whole pipeline: same eval loss packed or not, stats, refusals, bfd_split (long examples
+kept whole for the packer to cut, eval data that is not packed truncated)."""
 
 import json
 
@@ -6,6 +7,8 @@ import pytest
 from transformers import AutoTokenizer, OPTConfig
 
 from sft.cli.main import main
+from sft.data.build import prepare_splits
+from sft.training.recipe import load_recipe
 
 from conftest import REPO
 
@@ -64,3 +67,21 @@ def test_bfd_split_trains_every_chunk_of_long_examples(tmp_path, tiny_model_dir,
     assert split["tokens"] == sum(lengths) and split["truncated_rows"] == 0
     assert cut["truncated_rows"] == sum(n > 128 for n in lengths) >= 2
     assert cut["tokens"] == sum(min(n, 128) for n in lengths)
+
+
+@pytest.mark.parametrize("held_out", [{"eval_split_size": 0.25}, {"eval_dataset": ALPACA, "eval_split_size": 0}],
+                         ids=["eval_split_size", "eval_dataset"])
+def test_bfd_split_truncates_the_eval_data_it_does_not_pack(tmp_path, tiny_model_dir, held_out):
+    """bfd_split keeps long examples whole because the packer cuts them into max_length chunks; eval data that is
+    not packed (eval_packing: false) reaches the model as it is, so it is truncated and counted like any other."""
+    def splits(eval_packing: bool):
+        keys = dict(packing="true", packing_strategy="bfd_split", eval_packing=eval_packing, max_length=64, **held_out)
+        return prepare_splits(load_recipe(recipe(tmp_path, tiny_model_dir, **keys)))
+
+    (train, packed), (_, unpacked) = splits(True), splits(False)
+    longer = sum(n > 64 for n in packed.dataset["length"])
+    assert longer > 0 and packed.truncated_rows == packed.dropped_rows == 0  # control: packed eval is kept whole
+    assert max(train.dataset["length"]) > 64 and train.truncated_rows == 0  # and so is the training data
+    assert max(unpacked.dataset["length"]) <= 64
+    assert unpacked.truncated_rows + unpacked.dropped_rows == longer > unpacked.dropped_rows
+    assert len(unpacked.dataset) + unpacked.dropped_rows == len(packed.dataset)

@@ -186,6 +186,11 @@ class SFTConfig(Seq2SeqTrainingArguments):
         liger = liger_unavailable(self.use_cpu) if self.loss_kernel == "liger" else None
         return problems + ([liger] if liger else [])
 
+    @property
+    def packs_eval(self) -> bool:
+        """Whether eval data is packed: eval_packing, or when unset as the training data is (packing)."""
+        return self.packing if self.eval_packing is None else self.eval_packing
+
 
 def liger_unavailable(use_cpu: bool) -> str | None:
     """Why `loss_kernel: liger` cannot run here, or None: Liger's kernels are Triton, so they need liger-kernel

@@ -2,6 +2,7 @@
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -72,6 +73,7 @@ class Tokenized:
 
     source: Source
     decided: SourceFormat
+    raw: datasets.Dataset  # the source's rows as loaded: held-out ones are tokenized again for unpacked eval
     examples: datasets.Dataset
     dropped_rows: int  # examples with no trained token, and rows that rendered none
     dropped_split_rows: int  # how many of the dropped examples `history: split` made
@@ -95,13 +97,16 @@ def prepare_splits(config: SFTConfig, tokenizer: PreTrainedTokenizerBase | None 
     if config.eval_dataset is not None and config.eval_split_size:
         raise SFTError("Set either `eval_dataset` or `eval_split_size`, not both.")
     build = Build(config, load_tokenizer(config) if tokenizer is None else tokenizer, ModelFacts.of(config))
-    train = [tokenize_source(source, build) for source in parse_sources(config.dataset)]
+    train = [tokenize_source(source, build, config.packing) for source in parse_sources(config.dataset)]
     if config.eval_dataset is not None:
-        evaluation = [tokenize_source(source, build) for source in parse_sources(config.eval_dataset, "eval_dataset")]
+        evaluation = [tokenize_source(source, build, config.packs_eval)
+                      for source in parse_sources(config.eval_dataset, "eval_dataset")]
         return combine(train, config), combine(evaluation, config)
     if not config.eval_split_size:
         return combine(train, config), None
     train, evaluation = split_off_eval(train, config.eval_split_size, config.seed)
+    if build.encoding(config.packs_eval) != build.encoding(config.packing):  # e.g. bfd_split, eval_packing: false
+        evaluation = [retokenized(part, build, config.packs_eval) for part in evaluation]
     return combine(train, config), combine(evaluation, config)
 
 
@@ -131,17 +136,19 @@ class Build:
             return pair_renderer(decided.format)
         return make_renderer(self.config, decided, self.tokenizer, raw, self.model.generation_eos)
 
-    def encoding(self) -> Encoding:
-        """How rendered rows become input_ids and labels."""
+    def encoding(self, packed: bool) -> Encoding:
+        """How rendered rows become input_ids and labels, for data that is `packed` or not."""
         config = self.config
         if self.model.encoder_decoder:
             return Seq2SeqEncoding(self.tokenizer, config.max_length, config.truncation_side)
-        splits = config.packing and config.packing_strategy == "bfd_split"  # the packer cuts long examples into chunks
+        # bfd_split packing cuts long examples into max_length chunks, so they stay whole here; data that is not
+        # packed that way (eval under eval_packing: false) reaches the model as it is, and is truncated.
+        splits = packed and config.packing_strategy == "bfd_split"
         return Encoding(self.tokenizer, sys.maxsize if splits else config.max_length, config.truncation_side)
 
 
-def tokenize_source(source: Source, build: Build) -> Tokenized:
-    """One source: load it, detect its format, tokenize it in batches, count what was dropped."""
+def tokenize_source(source: Source, build: Build, packed: bool) -> Tokenized:
+    """One source: load it, detect its format, tokenize it in batches (`packed`: whether this data is packed)."""
     raw = load_source(source)
     if len(raw) == 0:
         raise SFTError(f"Dataset {source.label} has no rows.")
@@ -151,22 +158,38 @@ def tokenize_source(source: Source, build: Build) -> Tokenized:
     # Decided per source: in `[text.jsonl, alpaca.json]` the text is trained whole, the Alpaca prompts are not.
     decided = SourceFormat(source.label, fmt, default_completion_only(fmt) if config.completion_only_loss is None
                            else config.completion_only_loss)
-    encoding = build.encoding()
-    tokenized = raw.map(
+    part = tokenize_rows(source, decided, raw, build, packed)
+    if len(part.examples) == 0:
+        raise SFTError(f"Dataset {source.label}: all {len(raw)} rows were dropped because no trained token fits in "
+                       f"max_length={config.max_length}. Raise max_length or shorten the prompts.")
+    return part
+
+
+def tokenize_rows(source: Source, decided: SourceFormat, raw: datasets.Dataset, build: Build, packed: bool,
+                  rows: list[int] | None = None) -> Tokenized:
+    """The `rows` of a loaded source (all when None) rendered and tokenized in batches, cached by `datasets`."""
+    selected = raw if rows is None else raw.select(rows)
+    encoding = build.encoding(packed)
+    tokenized = selected.map(
         encode_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
-        num_proc=config.dataset_num_proc, desc=f"Tokenizing {source.label}",
-        fn_kwargs={"render": build.renderer(decided, raw), "encoding": encoding, "where": source.label},
-        new_fingerprint=cache_fingerprint(raw, build, decided, encoding),
+        num_proc=build.config.dataset_num_proc, desc=f"Tokenizing {source.label}",
+        fn_kwargs={"render": build.renderer(decided, raw), "encoding": encoding, "where": source.label,
+                   "rows": range(len(raw)) if rows is None else rows},
+        new_fingerprint=cache_fingerprint(selected, build, decided, encoding),
     )
     # Examples are rendered rows plus the extra ones `history: split` made, counted before any is dropped: a split
     # example with nothing trained is a lost example, not a row that was never made.
     split_rows = column_sum(tokenized, "split")
     examples = trained_examples(tokenized)
-    if len(examples) == 0:
-        raise SFTError(f"Dataset {source.label}: all {len(raw)} rows were dropped because no trained token fits in "
-                       f"max_length={config.max_length}. Raise max_length or shorten the prompts.")
-    return Tokenized(source, decided, examples, dropped_rows=len(raw) + split_rows - len(examples),
+    return Tokenized(source, decided, raw, examples, dropped_rows=len(selected) + split_rows - len(examples),
                      dropped_split_rows=split_rows - column_sum(examples, "split"))
+
+
+def retokenized(part: Tokenized, build: Build, packed: bool) -> Tokenized:
+    """The rows of a part tokenized again for data that is `packed` or not: held-out rows of training data packed
+    with bfd_split (tokenized whole) that eval does not pack (so they are truncated)."""
+    rows = np.unique(column_values(part.examples, ROW)).tolist()
+    return tokenize_rows(part.source, part.decided, part.raw, build, packed, rows)
 
 
 def column_sum(dataset: datasets.Dataset, name: str) -> int:
@@ -228,13 +251,13 @@ def hold_out(part: Tokenized, rows: np.ndarray) -> tuple[Tokenized, Tokenized]:
     each (weight 1); what was dropped stays with the training data (it was dropped before the split)."""
     held = np.isin(column_values(part.examples, ROW), rows)
     train = replace(part, examples=part.examples.select(np.flatnonzero(~held)))
-    evaluation = Tokenized(replace(part.source, weight=1.0), part.decided, part.examples.select(np.flatnonzero(held)),
-                           dropped_rows=0, dropped_split_rows=0)
+    evaluation = Tokenized(replace(part.source, weight=1.0), part.decided, part.raw,
+                           part.examples.select(np.flatnonzero(held)), dropped_rows=0, dropped_split_rows=0)
     return train, evaluation
 
 
-CACHE_FIELDS = ("completion_only_loss", "max_length", "truncation_side", "assistant_only_loss", "chat_template",
-                "train_on_last_turn_only", "no_assistant_turn", "history", "packing", "packing_strategy")
+CACHE_FIELDS = ("completion_only_loss", "truncation_side", "assistant_only_loss", "chat_template",
+                "train_on_last_turn_only", "no_assistant_turn", "history")
 
 
 def cache_fingerprint(raw: datasets.Dataset, build: Build, decided: SourceFormat, encoding: Encoding) -> str:
@@ -249,7 +272,9 @@ def cache_fingerprint(raw: datasets.Dataset, build: Build, decided: SourceFormat
     config, tokenizer = build.config, build.tokenizer
     tok = [tokenizer.backend_tokenizer.to_str(), str(tokenizer.chat_template), str(tokenizer.special_tokens_map),
            type(tokenizer).__name__]
-    fields = [decided.format, decided.completion_only_loss, type(encoding).__name__,
+    # The encoding's own max_length, not the recipe's: one source is tokenized whole for bfd_split packing and
+    # truncated as unpacked eval data (eval_dataset: the training file, or held-out rows).
+    fields = [decided.format, decided.completion_only_loss, type(encoding).__name__, encoding.max_length,
               *(str(getattr(config, name)) for name in CACHE_FIELDS)]
     if decided.format in CHAT_FORMATS or decided.format == "prompt_completion":  # chat turns end at these stops
         fields.append(str(build.model.generation_eos))
@@ -276,18 +301,21 @@ def make_renderer(config: SFTConfig, decided: SourceFormat, tokenizer: PreTraine
     return row_renderer(fmt, decided.completion_only_loss, chat)
 
 
-def encode_batch(batch: dict, indices: list[int], render: Callable, encoding: Encoding, where: str) -> dict:
-    """datasets.map body: render each row, tokenize the batch, note each example's row (ROW); examples with nothing
-    trained are kept here (`trained` 0) so that they are counted before they are dropped (trained_examples)."""
+def encode_batch(batch: dict, indices: list[int], render: Callable, encoding: Encoding, where: str,
+                 rows: Sequence[int]) -> dict:
+    """datasets.map body: render each row, tokenize the batch, note each example's source row (ROW; `rows` maps the
+    mapped rows' indices to the source's); examples with nothing trained are kept here (`trained` 0) so that they are
+    counted before they are dropped (trained_examples)."""
     keys = list(batch)
     examples: list[Rendered] = []
-    rows: list[int] = []
+    origins: list[int] = []
     for i, index in enumerate(indices):
-        out = render({k: batch[k][i] for k in keys}, where, index + 1)
+        row = rows[index]
+        out = render({k: batch[k][i] for k in keys}, where, row + 1)
         out = out if isinstance(out, list) else [out] if isinstance(out, Rendered) else []  # chat: 0..n examples
         examples += out
-        rows += [index] * len(out)
+        origins += [row] * len(out)
     encoded = encoding.encode(examples)
     encoded.pop("kinds", None)  # only `sft data --show` looks at them
-    encoded[ROW] = rows
+    encoded[ROW] = origins
     return encoded

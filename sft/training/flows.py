@@ -81,14 +81,13 @@ def hint_unproven_template(formats: list[str], tokenizer: transformers.PreTraine
 def apply_packing(config: SFTConfig, train_set: datasets.Dataset, eval_set: datasets.Dataset | None,
                   stats: DataStats) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """Pack train (and eval, per eval_packing) data after checking the model keeps packed examples apart."""
-    eval_packing = config.packing if config.eval_packing is None else config.eval_packing
-    if not (config.packing or eval_packing or config.padding_free):
+    if not (config.packing or config.packs_eval or config.padding_free):
         return train_set, eval_set
     check_packing_model(config)
     if config.packing:
         train_set, packed = pack_dataset_with_stats(train_set, config.max_length, config.packing_strategy, config.seed)
         stats.packed_rows, stats.packing_efficiency = packed.packed_rows, packed.packing_efficiency
-    if eval_set is not None and eval_packing:
+    if eval_set is not None and config.packs_eval:
         eval_set = pack_dataset(eval_set, config.max_length, config.packing_strategy, config.seed)
     return train_set, eval_set
 

@@ -19,7 +19,7 @@ def prove_generation(bench: Bench) -> Proof:
     examples = bench.splits[1] or bench.splits[0]
     examples = examples.select(range(min(EXAMPLES, len(examples))))
     config = bench.config(output_dir=str(bench.folder / "generation"), max_new_tokens=NEW_TOKENS)
-    packs = config.packing if config.eval_packing is None else config.eval_packing
+    packs = config.packs_eval
     model, calls = bench.model(config), []
     generate = model.generate
 
