@@ -14,12 +14,6 @@ from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from sft.config.arguments import SFTConfig
-from sft.data import chat as chat_module
-from sft.data import chat_templates as templates_module
-from sft.data import encode as encode_module
-from sft.data import formats as formats_module
-from sft.data import messages as messages_module
-from sft.data import seq2seq as seq2seq_module
 from sft.data.chat import ChatRenderer
 from sft.data.chat_templates import generation_eos
 from sft.data.encode import Encoding
@@ -266,9 +260,8 @@ def cache_fingerprint(raw: datasets.Dataset, build: Build, decided: SourceFormat
     datasets would otherwise hash the mapped function with dill (the tokenizer object included), which costs more
     than re-reading a cached result; this key is cheap and changes whenever any input of the result changes.
     """
-    modules = (encode_module, formats_module, seq2seq_module, chat_module, messages_module, templates_module,
-               sys.modules[__name__])
-    code = [Path(module.__file__).read_bytes() for module in modules]
+    # All of sft's data code: a list of the modules that shape a tokenized row drifts (one added later was missed).
+    code = [path.read_bytes() for path in sorted(Path(__file__).parent.glob("*.py"))]
     config, tokenizer = build.config, build.tokenizer
     tok = [tokenizer.backend_tokenizer.to_str(), str(tokenizer.chat_template), str(tokenizer.special_tokens_map),
            type(tokenizer).__name__]
