@@ -58,3 +58,20 @@ def write_recipe(tmp_path, model, data, out):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"model_name_or_path: {model}\ndataset: {data}\noutput_dir: {out}\nreport_to: none\n")
     return recipe
+
+
+@pytest.mark.parametrize("flag", [["--hub_token", SECRET], [f"--hub_token={SECRET}"], ["--token", SECRET]])
+def test_sft_launch_hands_the_token_over_in_the_environment_not_the_command(tmp_path, monkeypatch, capsys, flag):
+    """`sft launch` prints its accelerate command (job logs) and the processes' argv is visible to every user (ps):
+    the token goes to them as HF_TOKEN, which SFTConfig reads the same way (it moves hub_token there itself)."""
+    from sft.cli import launch as launcher
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    runs = []
+    monkeypatch.setattr(launcher.subprocess, "call", lambda command, env=None: runs.append((command, env)) or 0)
+    recipe = write_recipe(tmp_path, "data/models/tiny-llama", tmp_path / "data.json", tmp_path / "out")
+    assert main(["launch", str(recipe), "--num_processes", "2", *flag, "--max_steps", "2"]) == 0
+    (command, env), printed = runs[0], capsys.readouterr()
+    assert SECRET not in " ".join(command) + printed.out + printed.err
+    assert env["HF_TOKEN"] == SECRET and command[-2:] == ["--max_steps", "2"]  # the other overrides stay
+    assert main(["launch", str(recipe), "--num_processes", "2", "--dry_run"]) == 0 and runs[1:] == []

@@ -7,6 +7,7 @@ flag, and everything after `--`, overrides a recipe key.
 """
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
@@ -16,17 +17,34 @@ import torch
 
 from sft.errors import SFTError
 from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, PRESETS
-from sft.training.recipe import FIELDS, coerce, parse_flags, read_recipe_file
+from sft.training.recipe import FIELDS, SECRET_KEYS, coerce, parse_flags, read_recipe_file
 
 
 def launch(recipe: str, argv: list[str], preset: str | None = None, num_processes: int | None = None,
            dry_run: bool = False) -> int:
-    """Print (dry_run) or run the accelerate command for `recipe`; returns its exit code."""
+    """Print (dry_run) or run the accelerate command for `recipe`; returns its exit code. A token given on the
+    command line reaches the processes as HF_TOKEN, never in the printed command or their argv (job logs, ps)."""
+    argv, token = without_secrets(argv)
     command = launch_command(recipe, argv, preset, num_processes)
     print(shlex.join(command), flush=True)
     if dry_run:
         return 0
-    return subprocess.call(command)
+    return subprocess.call(command, env={**os.environ, "HF_TOKEN": token} if token else None)
+
+
+def without_secrets(argv: list[str]) -> tuple[list[str], str | None]:
+    """argv without `--hub_token T` / `--token=T` (SECRET_KEYS), and the last token given."""
+    kept, token, i = [], None, 0
+    while i < len(argv):
+        key, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
+        if key.replace("-", "_") not in SECRET_KEYS:
+            kept.append(argv[i])
+        elif eq:
+            token = value
+        elif i + 1 < len(argv):
+            token, i = argv[i + 1], i + 1
+        i += 1
+    return kept, token
 
 
 def launch_command(recipe: str, argv: list[str], preset: str | None = None,
