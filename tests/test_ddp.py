@@ -94,6 +94,11 @@ def max_weight_difference(a: Path, b: Path) -> float:
     return max(float((first[k] - second[k]).abs().max()) for k in first)
 
 
+def trained_tokens(out: Path) -> list[int]:
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [entry["trained_tokens"] for entry in history if "trained_tokens" in entry]
+
+
 def eval_loss(out: Path) -> float:
     return json.loads((out / "eval_results.json").read_text())["eval_loss"]
 
@@ -109,6 +114,7 @@ def ddp_run(recipe, tmp_path_factory) -> Path:
 def test_torchrun_is_data_parallel_and_equals_one_process(ddp_run, single, recipe, tmp_path):
     assert_data_parallel(ddp_run, "DistributedDataParallel")
     assert max_weight_difference(ddp_run, single) < 1e-5
+    assert trained_tokens(ddp_run) == trained_tokens(single)  # the logs count both ranks' tokens, not rank 0's
     # Negative control: half the global batch (what each rank alone would train on) lands measurably elsewhere.
     half = one_process(recipe, tmp_path / "half", accumulation=1)
     assert max_weight_difference(half, single) > 1e-4

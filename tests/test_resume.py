@@ -1,5 +1,6 @@
 """Exact resume: a run SIGKILLed at random steps and resumed ends bitwise equal to an uninterrupted run."""
 
+import json
 import random
 import signal
 import subprocess
@@ -73,3 +74,9 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path, recipe, mode)
     assert expected.keys() == actual.keys()
     for name, tensor in expected.items():
         assert tensor.equal(actual[name]), f"{mode}: {name} differs after resume"
+    assert logged_trained_tokens(resumed) == logged_trained_tokens(reference)  # the count goes on, not from 0
+
+
+def logged_trained_tokens(out: Path) -> list[int]:
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [entry["trained_tokens"] for entry in history if "trained_tokens" in entry]

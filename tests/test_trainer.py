@@ -65,14 +65,14 @@ def test_loss_is_the_mean_over_trained_tokens(tmp_path, tokenizer):
 def test_throughput_log_counts_exact_tokens_and_logs_plain_numbers(monkeypatch):
     """Attended tokens per second since the last log and the running trained-token count, as JSON numbers (the
     counts stay tensors between logs so a GPU is not synchronised every micro-step)."""
-    clock = iter([100.0, 102.0, 103.0])
+    clock = iter([100.0, 102.0, 103.0, 104.0])
     monkeypatch.setattr("sft.training.throughput.time.perf_counter", lambda: next(clock))
     log = ThroughputLog()  # t = 100
     log.count({"input_ids": torch.ones(2, 5, dtype=torch.long),
                "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]),
                "labels": torch.tensor([[-100, -100, 3, -100, -100], [-100, 4, 5, 6, -100]])})
     log.count({"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.tensor([[-100, 1, 2, -100]])})
-    assert torch.is_tensor(log.trained_total) and torch.is_tensor(log.window_tokens)  # no int() per micro-step
+    assert torch.is_tensor(log.pending_trained) and torch.is_tensor(log.window_tokens)  # no int() per micro-step
     assert log.add_to({"learning_rate": 1e-3}) == {"learning_rate": 1e-3}  # not a training-loss log
     first = log.add_to({"loss": 1.0})  # t = 102: 8 attended + 4 unmasked tokens in 2 s
     assert first == {"loss": 1.0, "tokens_per_second": 6.0, "trained_tokens": 6}
@@ -80,6 +80,9 @@ def test_throughput_log_counts_exact_tokens_and_logs_plain_numbers(monkeypatch):
     second = log.add_to({"loss": 0.5})  # t = 103: a new window of 4 tokens in 1 s; trained tokens keep counting
     assert second == {"loss": 0.5, "tokens_per_second": 4.0, "trained_tokens": 8}
     assert json.loads(json.dumps(second)) == second and type(second["trained_tokens"]) is int
+    log.count({"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.tensor([[-100, 1, 2, -100]])})
+    third = log.add_to({"loss": 0.2}, reduce=lambda counts: 2 * counts)  # two processes with equal batches
+    assert third["trained_tokens"] == 8 + 4 and third["tokens_per_second"] > 0
 
 
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])

@@ -1,16 +1,24 @@
-"""Throughput in the training logs: tokens per second since the last log and the running count of trained tokens."""
+"""Throughput in the training logs: tokens per second since the last log and the running count of trained tokens,
+over every process, and carried across a resume in the checkpoint's trainer_state.json."""
 
 import time
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from sft.data.encode import IGNORE_INDEX
+
+STATE_KEY = "sft_trained_tokens"  # in TrainerState.stateful_callbacks, which every checkpoint saves
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # a sum over processes (accelerator.reduce); identity alone
 
 
 class ThroughputLog:
     """Counts each micro-batch's tokens (attended, or all without a mask) and trained labels between logs."""
 
-    def __init__(self) -> None:
-        self.window_tokens, self.trained_total, self.window_start = 0, 0, time.perf_counter()
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = device  # where a collective can sum the counts (NCCL: the GPU)
+        self.window_tokens, self.pending_trained, self.trained_total = 0, 0, 0
+        self.window_start = time.perf_counter()
 
     def count(self, inputs: dict[str, Any]) -> None:
         """Add one micro-batch. The sums stay tensors on the batch's device until a log reads them: an int() here
@@ -18,13 +26,30 @@ class ThroughputLog:
         mask = inputs.get("attention_mask")
         self.window_tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
         if "labels" in inputs:
-            self.trained_total += (inputs["labels"] != IGNORE_INDEX).sum()
+            self.pending_trained += (inputs["labels"] != IGNORE_INDEX).sum()
 
-    def add_to(self, logs: dict[str, float]) -> dict[str, float]:
-        """Training logs (those with a loss) plus tokens_per_second and trained_tokens; starts a new window."""
+    def add_to(self, logs: dict[str, float], reduce: Reduce = lambda t: t) -> dict[str, float]:
+        """Training logs (those with a loss) plus tokens_per_second and trained_tokens of all processes; starts a
+        new window. Every process logs at the same steps, so the sum over them (one collective) is safe here."""
         if "loss" not in logs:
             return logs
+        window, trained = (int(n) for n in reduce(torch.stack([self._tensor(self.window_tokens),
+                                                               self._tensor(self.pending_trained)])))
+        self.trained_total += trained
         now = time.perf_counter()
-        rate = int(self.window_tokens) / max(now - self.window_start, 1e-9)
-        self.window_tokens, self.window_start = 0, now
-        return {**logs, "tokens_per_second": round(rate, 1), "trained_tokens": int(self.trained_total)}
+        rate = window / max(now - self.window_start, 1e-9)
+        self.window_tokens, self.pending_trained, self.window_start = 0, 0, now
+        return {**logs, "tokens_per_second": round(rate, 1), "trained_tokens": self.trained_total}
+
+    def save_to(self, stateful: dict, reduce: Reduce = lambda t: t) -> None:
+        """Put the trained-token count so far (all processes) into the state a checkpoint saves."""
+        self.trained_total += int(reduce(self._tensor(self.pending_trained)))
+        self.pending_trained = 0
+        stateful[STATE_KEY] = {"trained_tokens": self.trained_total}
+
+    def resume_from(self, stateful: dict) -> None:
+        """Go on counting from a checkpoint's count (0 for checkpoints written before it was saved)."""
+        self.trained_total = stateful.get(STATE_KEY, {}).get("trained_tokens", 0)
+
+    def _tensor(self, count: int | torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(count, dtype=torch.int64, device=self.device)

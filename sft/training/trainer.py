@@ -29,7 +29,7 @@ from sft.training.divergence import DivergenceGuard
 from sft.training.loss import EvalTokenSums, TokenLoss
 from sft.training.neftune import NEFTune
 from sft.training.signals import StopOnSignal
-from sft.training.throughput import ThroughputLog
+from sft.training.throughput import STATE_KEY, ThroughputLog
 
 
 def default_collator(tokenizer: PreTrainedTokenizerBase, args: Any) -> Any:
@@ -94,7 +94,7 @@ class SFTMixin:
         if self.token_loss.chunked:
             self.label_smoother = None  # the chunked forward applies label smoothing
         self.eval_tokens = EvalTokenSums(self.accelerator)
-        self.throughput = ThroughputLog()
+        self.throughput = ThroughputLog(self.accelerator.device)
         # The Trainer's own NEFTune hook scales noise by the padded/packed row length; ours by each example's.
         self.neftune = NEFTune(self.neftune_noise_alpha) if self.neftune_noise_alpha else None
         self.neftune_noise_alpha = None
@@ -203,6 +203,7 @@ class SFTMixin:
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """Write checkpoint-N into a staging folder, then rename it into place and rotate old ones."""
         run_dir = super()._get_output_dir(trial)
+        self.throughput.save_to(self.state.stateful_callbacks, self._sum_over_processes)
         with self.checkpoint_staging.writing(run_dir, self.state.global_step):
             super()._save_checkpoint(model, trial)
         self.checkpoint_staging.finish(run_dir, self.state, self.args)
@@ -223,9 +224,19 @@ class SFTMixin:
         self.divergence.add_grad_norm(grad_norm, self.args.fp16)
         return grad_norm
 
+    def _load_callback_state(self) -> None:
+        """On resume: the trained-token count goes on from the checkpoint's (and is no callback to restore)."""
+        self.throughput.resume_from(self.state.stateful_callbacks)
+        self.state.stateful_callbacks.pop(STATE_KEY, None)
+        super()._load_callback_state()
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add tokens/s (since the last log) and the running trained-token count to training logs."""
-        super().log(self.throughput.add_to(logs), start_time)
+        """Add tokens/s (since the last log) and the running trained-token count, over all processes, to training
+        logs."""
+        super().log(self.throughput.add_to(logs, self._sum_over_processes), start_time)
+
+    def _sum_over_processes(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(counts, "sum")
 
 
 class SFTTrainer(SFTMixin, Trainer):
