@@ -132,6 +132,19 @@ def test_overrides_that_make_it_fit_do_fit_when_replanned(path, gpu, gpus):
     assert replanned.fits and replanned.overrides == []
 
 
+def test_a_bf16_recipe_on_a_card_without_bf16_is_told_to_use_fp16(capsys):
+    """`sft train` refuses bf16 on a T4 (no bf16 tensor cores): the plan says so next to its memory verdict, with the
+    flags that run there, instead of a bare FITS."""
+    assert main(["plan", QLORA_8B, "--gpu", "T4-16GB", "--json"]) == 0
+    assert "--bf16 false --fp16 true" in json.loads(capsys.readouterr().out)["unsupported"]
+    assert main(["plan", QLORA_8B, "--gpu", "T4-16GB", "--bf16", "false", "--fp16", "true", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unsupported"] is None  # control: the fix it names is enough
+    assert main(["plan", QLORA_8B, "--gpu", "RTX4090-24GB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unsupported"] is None  # control: a bf16 card
+    assert main(["plan", QLORA_8B, "--gpu", "T4-16GB"]) == 0
+    assert re.search(r"^verdict: .*T4-16GB has no bf16 .*add --bf16 false --fp16 true", capsys.readouterr().out, re.M)
+
+
 def test_more_gpus_shard_the_full_fine_tune():
     config = load_recipe(REPO / "recipes" / "llama-3.1-8b-instruct" / "full-fsdp.yaml")
     two, eight = (planner.plan_recipe(config, find_gpu("H100-80GB"), n) for n in (2, 8))

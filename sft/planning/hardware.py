@@ -24,6 +24,8 @@ class GPU:
     """Dense bf16 tensor-core peak, TFLOP/s."""
     mfu: float
     """Assumed model-FLOP utilisation of an SFT run on this kind."""
+    bf16: bool = True
+    """Whether it computes in bf16 (Ampere and newer); a T4 (Turing) has fp16 tensor cores only, at the same peak."""
 
 
 GPUS = {gpu.name.lower(): gpu for gpu in (
@@ -37,7 +39,7 @@ GPUS = {gpu.name.lower(): gpu for gpu in (
     GPU("A10G-24GB", 22.0, 125.0, 0.35),
     GPU("RTX4090-24GB", 23.6, 165.0, 0.35),
     GPU("RTX3090-24GB", 23.6, 71.0, 0.40),
-    GPU("T4-16GB", 14.6, 65.0, 0.30),
+    GPU("T4-16GB", 14.6, 65.0, 0.30, bf16=False),
 )}
 DEFAULT_GPU = "H100-80GB"
 

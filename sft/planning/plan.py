@@ -61,6 +61,8 @@ class Plan:
     """`--flag value` strings that make it fit; empty when it fits."""
     notes: list[str] = field(default_factory=list)
     """Assumptions the numbers rest on."""
+    unsupported: str | None = None
+    """A recipe setting this GPU cannot run (sft train refuses it there), with the flags to use instead."""
 
     @property
     def fits(self) -> bool:
@@ -75,7 +77,7 @@ class Plan:
                 "tokens_per_second": round(self.tokens_per_second, 1), "flops_per_token": self.flops_per_token,
                 "mfu": self.gpu.mfu, "steps": self.steps, "hours": self.hours,
                 "gpu_hours": self.hours * self.setup.world if self.hours is not None else None,
-                "overrides": self.overrides, "notes": self.notes}
+                "overrides": self.overrides, "notes": self.notes, "unsupported": self.unsupported}
 
     def table(self, recipe: str) -> str:
         """The readable report: setup, memory table, time, verdict."""
@@ -99,12 +101,13 @@ class Plan:
     def verdict(self) -> str:
         """FITS / DOES NOT FIT, with the overrides that make it fit."""
         room = f"{self.total_gib:.1f} of {self.gpu.memory_gib:g} GiB"
+        also = f"; and {self.unsupported}" if self.unsupported else ""
         if self.fits:
-            return f"verdict: FITS ({room})"
+            return f"verdict: FITS ({room})" + (f", but {self.unsupported}" if self.unsupported else "")
         if not self.overrides:
             return (f"verdict: DOES NOT FIT ({room}); no micro-batch, checkpointing, preset, offload or LoRA/QLoRA "
-                    "setting fits: use more GPUs (--num_gpus) or a shorter max_length")
-        return f"verdict: DOES NOT FIT ({room}); add: {' '.join(self.overrides)}"
+                    f"setting fits: use more GPUs (--num_gpus) or a shorter max_length{also}")
+        return f"verdict: DOES NOT FIT ({room}); add: {' '.join(self.overrides)}{also}"
 
 
 def setup_of(config: SFTConfig, num_gpus: int, num_nodes: int) -> Setup:
@@ -269,7 +272,10 @@ def plan_recipe(config: SFTConfig, gpu: GPU, num_gpus: int = 1, num_nodes: int =
     plan.steps, plan.hours = run_length(config, setup, plan.tokens_per_second)
     plan.notes = [f"model {config.model_name_or_path}: {arch.model_type}, {arch.num_hidden_layers} layers, "
                   f"hidden {arch.hidden_size}, vocabulary {arch.vocab_size}",
-                  f"{gpu.name}: {gpu.bf16_tflops:g} dense bf16 TFLOP/s at an assumed {gpu.mfu:.0%} utilisation"]
+                  f"{gpu.name}: {gpu.bf16_tflops:g} dense {'bf16' if gpu.bf16 else 'fp16'} TFLOP/s at an assumed "
+                  f"{gpu.mfu:.0%} utilisation"]
+    if config.bf16 and not gpu.bf16:
+        plan.unsupported = f"{gpu.name} has no bf16 (sft train refuses it there): add --bf16 false --fp16 true"
     if config.torch_compile:
         plan.notes.append(compile_note(config, setup))
     if not plan.fits:
