@@ -1,5 +1,5 @@
 """Eval loss runs through the chunked forward: no full-vocabulary logits, the exact token mean for padded and
-padding-free batches. (Multi-process exactness: tests/test_ddp.py.)"""
+padding-free batches, plain cross entropy under label smoothing. (Multi-process exactness: tests/test_ddp.py.)"""
 
 import pytest
 import torch
@@ -46,13 +46,14 @@ def test_eval_forward_never_holds_full_vocabulary_logits(monkeypatch):
     assert torch.allclose(out.loss, reference_causal_loss(logits, inputs["labels"], int(trained.sum())), atol=1e-6)
 
 
-def token_mean(model: torch.nn.Module) -> float:
+def token_mean(model: torch.nn.Module, smoothing: float = 0.0) -> float:
     total, count = 0.0, 0
     for row in toy_dataset():
         labels = torch.tensor(row["labels"][1:])
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1]
-        total += float(torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"))
+        total += float(torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum",
+                                                         label_smoothing=smoothing))
         count += int((labels != IGNORE_INDEX).sum())
     return total / count
 
@@ -75,3 +76,18 @@ def test_predict_still_returns_logits(tmp_path, tokenizer):
     result = trainer.predict(toy_dataset())
     assert result.predictions.shape[:2] == (4, 16) and result.predictions.shape[2] == len(tokenizer)
     assert result.metrics["test_loss"] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("chunked_loss", [True, False])
+def test_eval_loss_is_plain_cross_entropy_under_label_smoothing(tmp_path, tokenizer, chunked_loss):
+    """Label smoothing is a training loss: eval reports the plain token mean at any eval batch size, chunked or not.
+    Without the chunked loss (gpt2, gemma2, phi, ...) the Trainer's LabelSmoother took the labels the eval sums read,
+    and eval reported its smoothed per-batch means (here 7.5424 at batch 3, 7.5973 at batch 8, for 7.6102 plain)."""
+    model = make_llama(len(tokenizer), seed=1, initializer_range=0.3)  # peaked logits: smoothing moves the loss
+    expected = token_mean(model)
+    assert abs(token_mean(model, smoothing=0.1) - expected) > 1e-3  # control: a smoothed loss would fail
+    for batch_size in (3, 8):
+        args = SFTConfig(output_dir=str(tmp_path), per_device_eval_batch_size=batch_size, report_to="none",
+                         label_smoothing_factor=0.1, chunked_loss=chunked_loss)
+        trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer, eval_dataset=toy_dataset())
+        assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, abs=1e-5), batch_size

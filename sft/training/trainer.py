@@ -137,14 +137,16 @@ class SFTMixin:
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         """The Trainer's loss (for plain-head causal LMs the model's chunked forward computes it); seq2seq training:
-        token-normalised; eval: also accumulate per-row token sums for the exact eval loss."""
+        token-normalised; eval: also accumulate per-row token sums for the exact eval loss (plain cross entropy,
+        whatever loss the Trainer returns)."""
         if TRAINED_TARGETS in inputs and not self.token_loss.chunked:  # only the chunked forward takes it
             inputs = {k: v for k, v in inputs.items() if k != TRAINED_TARGETS}
         if model.training and not return_outputs and self._seq2seq_loss_applies(model, inputs):
             across = self.args.average_tokens_across_devices and num_items_in_batch is not None
             return self.token_loss.seq2seq(model, inputs, num_items_in_batch,
                                            self.accelerator.num_processes if across else 1)
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # A copy: the Trainer's LabelSmoother pops "labels" from the dict it gets, and the eval sums need them.
+        result = super().compute_loss(model, dict(inputs), return_outputs, num_items_in_batch)
         if not model.training and return_outputs and "labels" in inputs:
             shifted = not self.accelerator.unwrap_model(self.model).config.is_encoder_decoder
             self.eval_tokens.add(result[1], inputs, shifted)
