@@ -1,6 +1,8 @@
-"""Encoder-decoder SFT: seq2seq encoding, Seq2SeqSFTTrainer (full and LoRA), token-normalised loss, memorisation."""
+"""Encoder-decoder SFT: seq2seq encoding, Seq2SeqSFTTrainer (full and LoRA), token-normalised loss, label
+smoothing, memorisation."""
 
 import json
+import math
 from pathlib import Path
 
 import datasets
@@ -114,30 +116,81 @@ def test_flan_t5_tokenizer_ends_sources_and_targets_with_eos(t5_dir, pairs_file,
     assert row["labels"] == t5_tokenizer("Paris")["input_ids"]  # T5 appends </s> itself: same tokens
 
 
-def one_step_grads(tokenizer, batch: int, accumulation: int, out: Path) -> tuple[float, dict]:
-    """One SGD step (lr 1) on four pairs of very different target lengths; logged loss and weight change."""
+def step_rows(tokenizer) -> list[dict]:
+    """Four encoded pairs of very different target lengths."""
+    pairs = (("a", "b"), ("hello there", "the capital of France is Paris"), ("c", "d e"), ("f g", "h"))
+    return [{"input_ids": tokenizer(source)["input_ids"],
+             "labels": tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]}
+            for source, target in pairs]
+
+
+def one_step_grads(tokenizer, batch: int, accumulation: int, out: Path, **overrides) -> tuple[float, dict]:
+    """One SGD step (lr 1) on step_rows; logged loss and weight change."""
     model = make_t5(tokenizer, seed=1)
     before = {k: v.clone() for k, v in model.named_parameters()}
-    rows = []
-    for source, target in (("a", "b"), ("hello there", "the capital of France is Paris"), ("c", "d e"), ("f g", "h")):
-        rows.append({"input_ids": tokenizer(source)["input_ids"],
-                     "labels": tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]})
     args = SFTConfig(output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
                      max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
-                     logging_steps=1, report_to="none", save_strategy="no", seed=3, use_cpu=True)
+                     logging_steps=1, report_to="none", save_strategy="no", seed=3, use_cpu=True, **overrides)
     trainer = Seq2SeqSFTTrainer(model=model, args=args, processing_class=tokenizer,
-                                train_dataset=datasets.Dataset.from_list(rows))
+                                train_dataset=datasets.Dataset.from_list(step_rows(tokenizer)))
     trainer.train()
     loss = next(e["loss"] for e in trainer.state.log_history if "loss" in e)
     return loss, {k: before[k] - v.detach() for k, v in model.named_parameters()}
 
 
-def test_seq2seq_loss_is_normalised_by_the_trained_tokens_of_the_step(tokenizer, tmp_path):
-    loss_full, grads_full = one_step_grads(tokenizer, 4, 1, tmp_path / "full")
-    loss_accum, grads_accum = one_step_grads(tokenizer, 1, 4, tmp_path / "accum")
+def token_mean(model, rows: list[dict], smoothing: float = 0.0) -> torch.Tensor:
+    """The reference loss, independent of sft: each row's decoder cross entropy alone (no padding), with PyTorch's
+    label smoothing, summed over every row and divided by all their target tokens."""
+    total, count = 0.0, 0
+    for row in rows:
+        labels = torch.tensor([row["labels"]])
+        logits = model(input_ids=torch.tensor([row["input_ids"]]), labels=labels).logits[0]
+        total = total + torch.nn.functional.cross_entropy(logits, labels[0], reduction="sum", label_smoothing=smoothing)
+        count += labels.shape[1]
+    return total / count
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_seq2seq_loss_is_normalised_by_the_trained_tokens_of_the_step(tokenizer, tmp_path, smoothing):
+    loss_full, grads_full = one_step_grads(tokenizer, 4, 1, tmp_path / "full", label_smoothing_factor=smoothing)
+    loss_accum, grads_accum = one_step_grads(tokenizer, 1, 4, tmp_path / "accum", label_smoothing_factor=smoothing)
     assert loss_accum == pytest.approx(loss_full, abs=1e-5)
     for name, grad in grads_full.items():
         assert torch.allclose(grad, grads_accum[name], atol=1e-5), name
+
+
+def test_label_smoothing_trains_t5_on_pytorchs_smoothed_token_mean(tokenizer, tmp_path):
+    """sft's encoder-decoder loss applies label smoothing (the Trainer's LabelSmoother took the labels out of the
+    batch, and T5 then had no decoder input: a ValueError at step 1): value and gradients of PyTorch's
+    label-smoothed cross entropy, averaged over the batch's target tokens."""
+    loss, change = one_step_grads(tokenizer, 4, 1, tmp_path, label_smoothing_factor=0.1)
+    model, rows = make_t5(tokenizer, seed=1), step_rows(tokenizer)
+    reference = token_mean(model, rows, smoothing=0.1)
+    reference.backward()
+    assert loss == pytest.approx(reference.item(), abs=1e-5)
+    with torch.no_grad():  # control: smoothing moves this loss far beyond the tolerance (6.7440 plain, 6.7278)
+        assert abs(float(token_mean(model, rows)) - loss) > 1e-3
+    for name, param in model.named_parameters():
+        assert torch.allclose(change[name], param.grad, atol=1e-5), name
+    assert any(c.abs().max() > 0 for c in change.values())
+
+
+def test_t5_run_with_label_smoothing_evaluates_plain_cross_entropy(t5_dir, pairs_file, tokenizer, tmp_path):
+    """A T5 run (sft.train, as `sft train`) with label_smoothing_factor trains, and its eval loss is the plain token mean (eval batches
+    of 3, 3 and 2 rows), not smoothed: label smoothing is a training loss."""
+    out = train(recipe(t5_dir, pairs_file, tmp_path / "run", max_steps=2, logging_steps=1, label_smoothing_factor=0.1,
+                       eval_dataset=str(pairs_file), per_device_eval_batch_size=3))
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert [e["step"] for e in history if "loss" in e and math.isfinite(e["loss"])] == [1, 2]
+    model = AutoModelForSeq2SeqLM.from_pretrained(out)
+    start = AutoModelForSeq2SeqLM.from_pretrained(t5_dir).state_dict()
+    assert any(not torch.equal(value, start[name]) for name, value in model.state_dict().items())
+    rows = [{"input_ids": tokenizer(s)["input_ids"],
+             "labels": tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]} for s, t in PAIRS]
+    with torch.no_grad():
+        plain, smoothed = float(token_mean(model, rows)), float(token_mean(model, rows, smoothing=0.1))
+    eval_loss = json.loads((out / "eval_results.json").read_text())["eval_loss"]
+    assert eval_loss == pytest.approx(plain, abs=1e-5) and abs(smoothed - plain) > 1e-3  # control: they differ
 
 
 @pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])

@@ -236,16 +236,18 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shifted: boo
                            reduction="none").view(labels.shape)
 
 
-def seq2seq_token_loss(model: nn.Module, inputs: dict, normalizer: torch.Tensor | int | None) -> torch.Tensor:
+def seq2seq_token_loss(model: nn.Module, inputs: dict, normalizer: torch.Tensor | int | None,
+                       smoothing: float = 0.0) -> torch.Tensor:
     """Summed decoder cross entropy / normalizer (the step's trained tokens), as the causal loss is normalised.
 
     transformers' T5/BART take num_items_in_batch but still return a per-batch mean, which over-weights short
-    micro-batches under gradient accumulation and scales gradients by the accumulation steps.
+    micro-batches under gradient accumulation and scales gradients by the accumulation steps. Label smoothing is
+    PyTorch's: (1 - eps) * nll + eps * mean over the vocabulary of -log p per token, LinearCrossEntropy's formula.
     """
     labels = inputs["labels"]
     logits = model(**inputs).logits
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device),
-                            ignore_index=IGNORE_INDEX, reduction="sum")
+                            ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=smoothing)
     if normalizer is None:
         normalizer = (labels != IGNORE_INDEX).sum()
     return total / torch.as_tensor(normalizer, dtype=torch.float32, device=total.device).clamp(min=1)
@@ -255,7 +257,7 @@ class TokenLoss:
     """One trainer's loss choices, made once: the chunked forward where the model has a plain head (it then applies
     label smoothing itself: transformers' LabelSmoother would need the full logits), computed by sft's
     LinearCrossEntropy or, with kernel "liger", Liger's fused linear cross-entropy; the step-normalised decoder
-    loss for encoder-decoder training. Kernel "auto" is sft's own."""
+    loss for encoder-decoder training, which applies label smoothing too. Kernel "auto" is sft's own."""
 
     def __init__(self, model: nn.Module, chunked: bool, label_smoothing: float, kernel: str = "auto",
                  device: torch.device | str = "cpu") -> None:
@@ -266,13 +268,22 @@ class TokenLoss:
                            f"causal LM with a plain linear output head ({type(unwrapped(model)).__name__} here). "
                            "Set loss_kernel: auto.")
         self.kernel = "liger" if liger is not None else "chunked" if self.chunked else "model"
+        self.smoothing = label_smoothing
+        self.encoder_decoder = bool(getattr(getattr(unwrapped(model), "config", None), "is_encoder_decoder", False))
 
-    @staticmethod
-    def seq2seq(model: nn.Module, inputs: dict, num_items_in_batch: torch.Tensor | int | None,
+    @property
+    def smooths(self) -> bool:
+        """Whether sft's loss applies label smoothing, so the Trainer's LabelSmoother must stay off: the chunked
+        forward, and the encoder-decoder loss (the LabelSmoother takes the labels out of the batch, and without them
+        the decoder has no input). Causal LMs without the chunked loss keep the Trainer's (the same formula and
+        normaliser)."""
+        return self.chunked or self.encoder_decoder
+
+    def seq2seq(self, model: nn.Module, inputs: dict, num_items_in_batch: torch.Tensor | int | None,
                 processes: int = 1) -> torch.Tensor:
-        """seq2seq_token_loss, times `processes` where num_items_in_batch counts every process's tokens (the
-        Trainer then divides the gradients by the process count)."""
-        loss = seq2seq_token_loss(model, inputs, num_items_in_batch)
+        """seq2seq_token_loss with the run's label smoothing, times `processes` where num_items_in_batch counts every
+        process's tokens (the Trainer then divides the gradients by the process count)."""
+        loss = seq2seq_token_loss(model, inputs, num_items_in_batch, self.smoothing)
         return loss * processes if processes != 1 else loss
 
     def prediction_inputs(self, inputs: dict[str, Any], prediction_loss_only: bool) -> dict[str, Any]:

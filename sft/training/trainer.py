@@ -91,8 +91,8 @@ class SFTMixin:
         self.token_loss = TokenLoss(self.model, getattr(self.args, "chunked_loss", True),
                                     self.args.label_smoothing_factor, getattr(self.args, "loss_kernel", "auto"),
                                     self.args.device)
-        if self.token_loss.chunked:
-            self.label_smoother = None  # the chunked forward applies label smoothing
+        if self.token_loss.smooths:
+            self.label_smoother = None  # sft's own loss applies label smoothing
         self.eval_tokens = EvalTokenSums(self.accelerator)
         self.throughput = ThroughputLog(self.accelerator.device)
         # The Trainer's own NEFTune hook scales noise by the padded/packed row length; ours by each example's.
@@ -137,26 +137,25 @@ class SFTMixin:
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         """The Trainer's loss (for plain-head causal LMs the model's chunked forward computes it); seq2seq training:
-        token-normalised; eval: also accumulate per-row token sums for the exact eval loss (plain cross entropy,
-        whatever loss the Trainer returns)."""
+        token-normalised, label-smoothed by sft; eval: also accumulate per-row token sums for the exact eval loss
+        (plain cross entropy, whatever loss the Trainer returns)."""
         if TRAINED_TARGETS in inputs and not self.token_loss.chunked:  # only the chunked forward takes it
             inputs = {k: v for k, v in inputs.items() if k != TRAINED_TARGETS}
-        if model.training and not return_outputs and self._seq2seq_loss_applies(model, inputs):
+        if model.training and not return_outputs and self._seq2seq_loss_applies(inputs):
             across = self.args.average_tokens_across_devices and num_items_in_batch is not None
             return self.token_loss.seq2seq(model, inputs, num_items_in_batch,
                                            self.accelerator.num_processes if across else 1)
         # A copy: the Trainer's LabelSmoother pops "labels" from the dict it gets, and the eval sums need them.
         result = super().compute_loss(model, dict(inputs), return_outputs, num_items_in_batch)
         if not model.training and return_outputs and "labels" in inputs:
-            shifted = not self.accelerator.unwrap_model(self.model).config.is_encoder_decoder
-            self.eval_tokens.add(result[1], inputs, shifted)
+            self.eval_tokens.add(result[1], inputs, shifted=not self.token_loss.encoder_decoder)
         return result
 
-    def _seq2seq_loss_applies(self, model: nn.Module, inputs: dict[str, Any]) -> bool:
-        # Only where the Trainer skips its division by the accumulation steps (the model "accepts loss kwargs").
-        unwrapped = self.accelerator.unwrap_model(model)
-        return ("labels" in inputs and unwrapped.config.is_encoder_decoder and self.model_accepts_loss_kwargs
-                and self.label_smoother is None and self.compute_loss_func is None)
+    def _seq2seq_loss_applies(self, inputs: dict[str, Any]) -> bool:
+        # Every encoder-decoder training step but a compute_loss_func's: sft's loss is the one that label-smooths.
+        # A model that does not "accept loss kwargs" gets no num_items_in_batch, so this is its micro-batch mean,
+        # which the Trainer then divides by the accumulation steps, as it would the model's own.
+        return "labels" in inputs and self.token_loss.encoder_decoder and self.compute_loss_func is None
 
     def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
