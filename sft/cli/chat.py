@@ -15,6 +15,8 @@ def chat(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase,
     interactive = stdin.isatty()
     if interactive:
         print("Chat with the model. /reset starts a new conversation, /exit (or Ctrl-D) quits.")
+        if model.config.is_encoder_decoder:  # generation.encoder_source: it was trained on single source/target pairs
+            print("This encoder-decoder model answers each message on its own, without the earlier turns.")
     history = start_conversation(system)
     for line in user_turns(stdin, interactive):
         if line == "/exit":

@@ -159,13 +159,15 @@ def add_inference_verbs(verbs: argparse._SubParsersAction) -> None:
     merge.set_defaults(run=run_merge)
     generate = verbs.add_parser("generate", help="generate a reply to one prompt",
                                 description="Generate a reply to --prompt with the model's chat template, or the "
-                                            "Alpaca prompt when it has none, and print it.")
+                                            "Alpaca prompt when it has none, and print it. An encoder-decoder (T5, "
+                                            "BART) reads the prompt as is.")
     add_generation_options(generate)
     generate.add_argument("--prompt", required=True, help="the user message")
     generate.set_defaults(run=run_generate)
     chat = verbs.add_parser("chat", help="chat with a model interactively",
                             description="Chat with a model, replies streamed. /reset clears the conversation, "
-                                        "/exit quits. Reads stdin line by line, so it also works on a pipe.")
+                                        "/exit quits. Reads stdin line by line, so it also works on a pipe. An "
+                                        "encoder-decoder (T5, BART) answers each message on its own.")
     add_generation_options(chat)
     chat.set_defaults(run=run_chat)
 
@@ -181,7 +183,8 @@ def add_generation_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--system", help="system prompt (chat templates only)")
     sub.add_argument("--template", choices=("auto", "chat", "alpaca"), default="auto",
                      help="prompt format: the tokenizer's chat template, or the Alpaca prompt that alpaca data trains "
-                          "on (auto: the chat template if the tokenizer has one)")
+                          "on (auto: the chat template if the tokenizer has one; for an encoder-decoder, the "
+                          "message as is)")
     sub.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights dtype (auto: as saved)")
     sub.add_argument("--base_model", help="for adapters: use this base instead of the one in adapter_config.json")
 
@@ -194,11 +197,15 @@ def reject_extra(rest: list[str]) -> None:
 
 def run_merge(args: argparse.Namespace, rest: list[str]) -> None:
     """sft merge ADAPTER_DIR OUTPUT_DIR [--dtype D] [--overwrite] [--base_model M]"""
+    from transformers import AutoConfig
+
     from sft.models.export import merge_adapter
+    from sft.models.loading import auto_model_class
 
     reject_extra(rest)
     out = merge_adapter(args.adapter_dir, args.output_dir, args.dtype, args.overwrite, args.base_model)
-    log.info("Done. Load it with AutoModelForCausalLM.from_pretrained(%r)", str(out))
+    log.info("Done. Load it with %s.from_pretrained(%r)", auto_model_class(AutoConfig.from_pretrained(out)).__name__,
+             str(out))
 
 
 def load_for_verb(args: argparse.Namespace, rest: list[str]) -> tuple:

@@ -46,12 +46,15 @@ class GenerationOptions:
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
-                  template: str = "auto") -> tuple[str, bool]:
-    """The text the model continues, and whether tokenizing it should add special tokens (BOS).
+                  template: str = "auto", encoder_decoder: bool = False) -> tuple[str, bool]:
+    """The text the model continues (an encoder-decoder: reads), and whether tokenizing it should add special tokens.
 
     The tokenizer's chat template (template auto or chat), else the Stanford Alpaca no-input prompt that the
-    alpaca format trains on (it has no system prompt, so system messages are dropped).
+    alpaca format trains on (it has no system prompt, so system messages are dropped). An encoder-decoder gets
+    encoder_source() instead.
     """
+    if encoder_decoder:
+        return encoder_source(tokenizer, messages, template), True
     if template == "chat" and not tokenizer.chat_template:
         raise SFTError("The tokenizer has no chat template; use the alpaca template or a model saved with one.")
     if template == "chat" or (template == "auto" and tokenizer.chat_template):
@@ -62,6 +65,18 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, s
                            f"{str(err).splitlines()[0] if str(err) else ''}). Fix chat_template.jinja in the model "
                            "folder, or pass --template alpaca for a model trained on alpaca data.") from None
     return alpaca_prompt(messages), True
+
+
+def encoder_source(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], template: str) -> str:
+    """An encoder-decoder's input: the last user message alone, as is (template auto: seq2seq and prompt_completion
+    rows train on plain sources) or in the Alpaca prompt / chat template asked for (tokenized, like training's
+    sources, with the special tokens).
+
+    Seq2seq rows train one source to one target, so a transcript of earlier turns would be an input the model
+    never saw: `sft chat` on such a model answers each message on its own.
+    """
+    turn = [m for m in messages if m["role"] == "system"] + [m for m in messages if m["role"] == "user"][-1:]
+    return turn[-1]["content"] if template == "auto" else render_prompt(tokenizer, turn, template)[0]
 
 
 def alpaca_prompt(messages: list[dict[str, str]]) -> str:
@@ -79,10 +94,12 @@ def alpaca_prompt(messages: list[dict[str, str]]) -> str:
 def generate(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase,
              messages: list[dict[str, str]] | str, options: GenerationOptions,
              streamer: TextStreamer | None = None) -> str:
-    """The model's reply to a conversation (or to one user prompt), without the prompt or special tokens."""
+    """The model's reply to a conversation (or to one user prompt), without the prompt or special tokens; an
+    encoder-decoder reads the prompt in its encoder, and its reply is what the decoder wrote."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
-    text, add_special_tokens = render_prompt(tokenizer, messages, options.template)
+    encoder_decoder = model.config.is_encoder_decoder
+    text, add_special_tokens = render_prompt(tokenizer, messages, options.template, encoder_decoder)
     encoded = tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens)
     inputs = {key: encoded[key].to(model.device) for key in ("input_ids", "attention_mask")}
     if options.seed is not None:
@@ -90,7 +107,13 @@ def generate(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerB
     with torch.inference_mode():
         output = model.generate(**inputs, generation_config=generation_config(model, tokenizer, options),
                                 streamer=streamer)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(reply_tokens(output, inputs["input_ids"], encoder_decoder)[0], skip_special_tokens=True)
+
+
+def reply_tokens(output: torch.Tensor, prompt: torch.Tensor, encoder_decoder: bool) -> torch.Tensor:
+    """The generated tokens in each row of generate()'s `output` for the batch of prompts `prompt`: a decoder-only
+    output repeats the (padded) prompt first, an encoder-decoder one the decoder start id."""
+    return output[:, 1:] if encoder_decoder else output[:, prompt.shape[1]:]
 
 
 def generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,

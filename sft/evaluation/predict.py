@@ -35,7 +35,7 @@ from transformers.integrations.fsdp import is_fsdp_managed_module
 from sft.config.arguments import SFTConfig
 from sft.data.boundaries import spans
 from sft.data.encode import IGNORE_INDEX
-from sft.evaluation.generation import GREEDY, decoding_config
+from sft.evaluation.generation import GREEDY, decoding_config, reply_tokens
 from sft.evaluation.metrics import compute_metrics, resolve_metrics
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -171,8 +171,7 @@ class PromptGenerator:
                                          synced_gpus=self.synced_gpus)
         per_prompt = self.config.num_return_sequences or 1
         output = output.view(len(examples), per_prompt, -1)[:, 0]  # the best sequence of each prompt
-        # A decoder-only output repeats the (padded) prompt; an encoder-decoder one starts with the decoder start id.
-        new_tokens = output[:, 1:] if self.encoder_decoder else output[:, ids.shape[1]:]
+        new_tokens = reply_tokens(output, ids, self.encoder_decoder)
         return [self.record(e, p, tokens.tolist()) for e, p, tokens in zip(examples, prompts, new_tokens)]
 
     def record(self, example: Example, prompt: list[int], generated: list[int]) -> dict[str, str]:

@@ -16,8 +16,8 @@ def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = 
     """Merge the adapter into its base and save safetensors weights, config, tokenizer and chat template.
 
     A base the run quantized (QLoRA) is loaded quantized as in training and dequantized to `dtype` before the
-    merge, so the merged model computes what the trained adapter did. The result loads with
-    AutoModelForCausalLM.from_pretrained, without peft.
+    merge, so the merged model computes what the trained adapter did. The result loads without peft, with
+    AutoModelForCausalLM.from_pretrained (AutoModelForSeq2SeqLM for an encoder-decoder such as T5).
 
     Args:
         adapter_dir: the output_dir (or a checkpoint-N folder) of a use_peft run.

@@ -64,9 +64,8 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     if config.attn_implementation:
         kwargs["attn_implementation"] = attention(config)
     kwargs.update(quantized_loading(config))
-    auto = AutoModelForSeq2SeqLM if load_model_config(config, name).is_encoder_decoder else AutoModelForCausalLM
     try:
-        model = auto.from_pretrained(name, **kwargs)
+        model = auto_model_class(load_model_config(config, name)).from_pretrained(name, **kwargs)
     except (OSError, ValueError) as err:
         raise SFTError(f"Could not load the model {name}: {str(err).splitlines()[0]}"
                        + (" (sft loads safetensors only; set allow_pickle: true to load .bin weights you trust)"
@@ -78,6 +77,12 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     if config.use_peft:
         return add_adapter(model, config, new_ids)
     return model
+
+
+def auto_model_class(model_config: PretrainedConfig) -> type[AutoModelForCausalLM] | type[AutoModelForSeq2SeqLM]:
+    """The transformers auto class that loads a model with this config: Seq2Seq for encoder-decoders (T5, BART),
+    causal otherwise. Training, `sft generate`/`chat` and `sft merge` all pick it here."""
+    return AutoModelForSeq2SeqLM if model_config.is_encoder_decoder else AutoModelForCausalLM
 
 
 def attention(config: SFTConfig) -> str:

@@ -8,7 +8,7 @@ import torch
 import yaml
 from peft import PeftModel
 from transformers import (
-    AutoModelForCausalLM,
+    AutoConfig,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -18,7 +18,7 @@ from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.adapters import ADAPTER_CONFIG, base_model_name, is_adapter_folder
 from sft.models.hub import local_files_only
-from sft.models.loading import fit_embeddings
+from sft.models.loading import auto_model_class, fit_embeddings
 from sft.models.quantization import DTYPES, is_quantized, quantization_config
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,9 @@ def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, b
     """The adapter in `folder` on its base model, quantized as in training unless `dequantize`."""
     name = base_model or base_model_name(folder)
     log.info("Loading the base model %s for the adapter in %s", name, folder)
-    hint = (f" (the base model named in {folder / ADAPTER_CONFIG}). Check the path or Hub id and network access, "
-            "or pass --base_model with a local copy")
-    base = load_pretrained(name, dtype, device, run_quantization(folder), hint)
+    origin = f" (the base model named in {folder / ADAPTER_CONFIG})"
+    base = load_pretrained(name, dtype, device, run_quantization(folder), origin,
+                           "Check the path or Hub id and network access, or pass --base_model with a local copy")
     if dequantize and is_quantized(base):
         base = base.dequantize(dtype=DTYPES.get(dtype))
     fit_embeddings(base, tokenizer)  # the run grew the vocabulary the same way before training
@@ -98,11 +98,16 @@ def run_quantization(folder: Path) -> dict:
     return {"quantization_config": quantization_config(settings)}
 
 
-def load_pretrained(name: str, dtype: str, device: str, quantization: dict | None = None,
-                    hint: str = "") -> PreTrainedModel:
-    """A causal LM for inference, or an SFTError naming what could not be loaded (plus `hint`)."""
+def load_pretrained(name: str, dtype: str, device: str, quantization: dict | None = None, origin: str = "",
+                    unreachable_hint: str = "") -> PreTrainedModel:
+    """A causal or encoder-decoder LM (as its config says) for inference, or an SFTError naming what could not be
+    loaded, where `name` came from (`origin`) and, when its files could not be found or fetched, `unreachable_hint`."""
     try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES.get(dtype, "auto"), device_map={"": device},
-                                                    local_files_only=local_files_only(name), **(quantization or {}))
+        auto = auto_model_class(AutoConfig.from_pretrained(name, local_files_only=local_files_only(name)))
+        return auto.from_pretrained(name, dtype=DTYPES.get(dtype, "auto"), device_map={"": device},
+                                    local_files_only=local_files_only(name), **(quantization or {}))
     except (OSError, ValueError) as err:
-        raise SFTError(f"Could not load the model {name}{hint}: {str(err).splitlines()[0]}") from None
+        # A ValueError is a model transformers cannot build (e.g. an unknown architecture): no path or network check
+        # would fix it, so it gets no such hint.
+        hint = f". {unreachable_hint}" if unreachable_hint and isinstance(err, OSError) else ""
+        raise SFTError(f"Could not load the model {name}{origin}{hint}: {str(err).splitlines()[0]}") from None
