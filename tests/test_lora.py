@@ -1,5 +1,6 @@
 """LoRA / QLoRA through the real pipeline: only adapters train, quantized bases stay bit-identical, resume is exact."""
 
+import json
 import logging
 import math
 import shutil
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from sft import SFTError, build_datasets, load_recipe, rundir, train
+from sft.cli.main import main
 from sft.data.tokenizer import load_tokenizer
 from sft.models.loading import load_model
 from sft.training.flows import evaluate
@@ -171,3 +173,28 @@ def test_sft_eval_of_an_adapter_run_loads_its_base(tmp_path, tiny_model_dir, dat
     assert not (run / "config.json").exists() and (run / "adapter_config.json").is_file()
     metrics = evaluate(recipe(run, data_file, tmp_path / "eval", eval_dataset=str(data_file), packing=True))
     assert math.isfinite(metrics["eval_loss"]) and (tmp_path / "eval" / "eval_results.json").is_file()
+
+
+def test_training_on_an_adapter_folder_needs_use_peft_and_trains_that_adapter(tmp_path, tiny_model_dir, data_file,
+                                                                               capsys):
+    first = train(recipe(tiny_model_dir, data_file, tmp_path / "first"))
+    again = tmp_path / "again"
+    recipe_file = tmp_path / "again.yaml"
+    recipe_file.write_text(f"model_name_or_path: {first}\ndataset: {data_file}\noutput_dir: {again}\nmax_steps: 2\n"
+                           "dtype: float32\nreport_to: none\nsave_strategy: 'no'\n")
+    # Without use_peft the adapter would load frozen on a frozen base: refused before any data or model loads.
+    assert main(["train", str(recipe_file)]) == 2
+    err = capsys.readouterr().err
+    assert "is a LoRA adapter" in err and "--use_peft true" in err and f"sft merge {first}" in err
+    assert "Traceback" not in err and len(err.split("sft: error:")[1].strip().splitlines()) == 1
+    assert not again.exists()
+    # peft rebuilds the adapter from its adapter_config.json: a recipe value it contradicts could not apply.
+    assert main(["train", str(recipe_file), "--use_peft", "true", "--lora_r", "8"]) == 2
+    assert "`lora_r: 8` differs from the adapter" in capsys.readouterr().err
+    # Control: with use_peft (and the lora_* values it was trained with) the saved adapter trains on.
+    out = train(recipe(first, data_file, again))
+    before, after = load_file(first / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert before.keys() == after.keys()
+    lora = [key for key in before if "lora_" in key]  # (new-token rows the data never uses keep their values)
+    assert lora and all(not torch.equal(before[key], after[key]) for key in lora)
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)

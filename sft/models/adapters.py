@@ -130,13 +130,57 @@ def is_adapter_folder(name: str | Path) -> bool:
 
 def base_model_name(folder: str | Path) -> str:
     """The base model recorded in an adapter folder's adapter_config.json."""
-    try:
-        name = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
-    except (OSError, ValueError, TypeError) as err:
-        raise SFTError(f"{Path(folder) / ADAPTER_CONFIG} is not a valid peft adapter config: {err}") from None
+    name = saved_adapter_config(folder).base_model_name_or_path
     if not name:
         raise SFTError(f"{Path(folder) / ADAPTER_CONFIG} names no base model; pass --base_model PATH_OR_HUB_ID.")
     return name
+
+
+def saved_adapter_config(folder: str | Path) -> PeftConfig:
+    """An adapter folder's adapter_config.json as peft reads it."""
+    try:
+        return PeftConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError) as err:
+        raise SFTError(f"{Path(folder) / ADAPTER_CONFIG} is not a valid peft adapter config: {err}") from None
+
+
+def check_adapter_training(config: SFTConfig) -> None:
+    """Training on an adapter folder trains that adapter further, as saved: refuse it without use_peft (peft would load
+    it frozen on a frozen base, nothing to train) and refuse recipe lora_* values the saved adapter contradicts
+    (peft builds the adapter from its adapter_config.json, so they could not apply)."""
+    folder = config.model_name_or_path
+    if not folder or not is_adapter_folder(folder):
+        return
+    if not config.use_peft:
+        raise SFTError(f"model_name_or_path {folder} is a LoRA adapter, and with use_peft off nothing would train. "
+                       f"Add --use_peft true to keep training the adapter, or `sft merge {folder} MERGED_DIR` first "
+                       "and train MERGED_DIR to fine-tune all weights.")
+    saved = saved_lora_settings(saved_adapter_config(folder))
+    for key, value in saved.items():
+        if key in config.recipe_keys and not same_setting(key, getattr(config, key), value):
+            raise SFTError(f"`{key}: {getattr(config, key)}` differs from the adapter in {folder}, which has {value} "
+                           f"({Path(folder) / ADAPTER_CONFIG}). Training an adapter further keeps its saved settings: "
+                           f"remove {key} from the recipe, or `sft merge` the adapter and train a new one on that.")
+    log.info("Training the adapter in %s further with its saved settings: %s", folder,
+             ", ".join(f"{key} {value}" for key, value in saved.items()))
+
+
+def saved_lora_settings(saved: PeftConfig) -> dict:
+    """A saved adapter's settings under the recipe keys that would set them (module sets as sorted lists)."""
+    modules = {key: sorted(value) if isinstance(value, (set, list)) else value
+               for key, value in (("lora_target_modules", saved.target_modules),
+                                  ("lora_modules_to_save", saved.modules_to_save))}
+    return {"lora_r": saved.r, "lora_alpha": saved.lora_alpha, "lora_dropout": saved.lora_dropout,
+            "use_dora": saved.use_dora, "use_rslora": saved.use_rslora, **modules}
+
+
+def same_setting(key: str, recipe: object, saved: object) -> bool:
+    """Whether the recipe's value of `key` matches the saved one; module lists in any order."""
+    if key == "lora_target_modules" and target_modules(recipe) == ALL_LINEAR:
+        return True  # saved expanded to module names, which only the model could check; the log line names them
+    if isinstance(recipe, list) or isinstance(saved, list):
+        return set(recipe or []) == set(saved or [])
+    return recipe == saved
 
 
 def load_trained_adapter(model: PreTrainedModel, folder: str | Path, config: SFTConfig) -> PeftModel:

@@ -19,6 +19,7 @@ from sft.data.stats import DataStats, compute_stats
 from sft.data.tokenizer import load_tokenizer
 from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
 from sft.evaluation.metrics import resolve_metrics
+from sft.models.adapters import check_adapter_training
 from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.loading import load_model, load_model_config
 from sft.models.quantization import check_quantization
@@ -110,12 +111,13 @@ def resume_setting(value: str | bool | None) -> str | bool | None:
 
 
 def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTConfig:
-    """Fail fast on what needs no data or model: GPU-only flags, max_length, the output folder, the resume target;
-    returns the recipe with max_length fitted to the model (fitted_max_length)."""
+    """Fail fast on what needs no data or model: GPU-only flags, an adapter folder as the model, max_length, the
+    output folder, the resume target; returns the recipe with max_length fitted to the model (fitted_max_length)."""
     problems = config.hardware_problems()
     if problems:
         raise SFTError(problems[0])
     check_quantization(config)
+    check_adapter_training(config)
     if config.predict_with_generate:
         resolve_metrics(config.metrics)  # a misspelt metric fails now, not after the model has loaded
     config = with_model_limits(config, fitted_max_length(config))
