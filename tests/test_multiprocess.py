@@ -44,8 +44,7 @@ def recipe(tmp_path_factory, tiny_model_dir) -> Path:
     values = {"model_name_or_path": str(tiny_model_dir), "dataset": str(write_json(folder / "data.json", ROWS)),
               "dataset_format": "alpaca", "dtype": "float32", "distributed": "zero3", "use_cpu": True,
               "per_device_train_batch_size": 2, "max_steps": 3, "learning_rate": 1e-2, "lr_scheduler_type": "constant",
-              "logging_steps": 1, "save_strategy": "steps", "save_steps": 3, "report_to": "none", "seed": 0,
-              "lora_dropout": 0.0}
+              "logging_steps": 1, "save_strategy": "steps", "save_steps": 3, "report_to": "none", "seed": 0}
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(values))
     return path
@@ -133,7 +132,8 @@ def test_zero3_lora_saves_a_non_empty_reloadable_adapter(recipe, tmp_path, tiny_
 
     run = tmp_path / "lora"
     # activation checkpointing too: PEFT on ZeRO-3 must recompute with reentrant checkpointing
-    torchrun([PROBE, "train", recipe, "--output_dir", run, "--use_peft", "true", "--activation_checkpointing", "true"])
+    torchrun([PROBE, "train", recipe, "--output_dir", run, "--use_peft", "true", "--lora_dropout", "0.0",
+              "--activation_checkpointing", "true"])
     params = assert_partitioned(run)
     assert {("lora_" in name) for name, p in params.items() if p["trainable"]} == {True}
     assert abs(step_losses(run)[0] - single_process_loss) < 1e-4  # lora_B starts at zero: the base model's loss

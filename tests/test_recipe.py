@@ -58,7 +58,8 @@ def test_gpu_only_flags_load_anywhere_and_fail_clearly_at_train_time(tmp_path):
 def test_bare_flag_means_true_and_lists_parse():
     assert parse_flags(["--packing", "--lora_target_modules", "q_proj,v_proj"]) == {
         "packing": "true", "lora_target_modules": "q_proj,v_proj"}
-    assert load_recipe({}, flags=["--lora_target_modules", "q_proj,v_proj"]).lora_target_modules == ["q_proj", "v_proj"]
+    flags = ["--use_peft", "--lora_target_modules", "q_proj,v_proj"]
+    assert load_recipe({}, flags=flags).lora_target_modules == ["q_proj", "v_proj"]
 
 
 def test_resolved_recipe_has_no_secrets_and_round_trips(tmp_path):
@@ -95,3 +96,18 @@ def test_the_default_max_length_is_fitted_to_the_model_on_a_copy(tiny_model_dir,
     assert (config.max_length, fitted.max_length) == (1024, 512)
     assert resolved_recipe(fitted)["max_length"] == 512
     assert with_model_limits(fitted, fitted_max_length(fitted)) is fitted
+
+
+@pytest.mark.parametrize("key, value", [("lora_r", 8), ("lora_alpha", 16), ("lora_dropout", 0.1),
+                                        ("lora_target_modules", ["q_proj"]), ("use_dora", True),
+                                        ("use_rslora", True), ("lora_modules_to_save", ["lm_head"])])
+def test_a_lora_key_without_use_peft_is_refused_not_ignored(key, value):
+    with pytest.raises(SFTError, match=f"{key} is set but use_peft is false.*use_peft: true"):
+        load_recipe({key: value})
+    assert getattr(load_recipe({key: value, "use_peft": True}), key) == value
+
+
+def test_a_full_fine_tunes_saved_recipe_with_default_lora_keys_still_loads(tmp_path):
+    saved = resolved_recipe(load_recipe({"output_dir": str(tmp_path)}))
+    assert saved["lora_r"] == 16 and saved["use_peft"] is False  # every SFT field is written, LoRA's included
+    assert load_recipe(saved).use_peft is False

@@ -1,6 +1,7 @@
 """Value checks on a built recipe: ranges and combinations TrainingArguments leaves to fail later, with a traceback,
 after tokenization and model loading. Each failure is one SFTError saying which key, what it got and what it takes."""
 
+import dataclasses
 import math
 
 from sft.config.arguments import SFTConfig
@@ -12,6 +13,9 @@ AT_LEAST_ONE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gr
                 "dataset_num_proc", "save_total_limit")
 NOT_NEGATIVE = ("learning_rate", "weight_decay", "max_grad_norm", "num_train_epochs", "neftune_noise_alpha",
                 "lora_alpha", "lora_dropout", "eval_split_size", "warmup_steps")
+# The adapter's settings: read only when use_peft builds one.
+PEFT_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_dora", "use_rslora",
+             "lora_modules_to_save")
 
 
 def check_values(config: SFTConfig) -> None:
@@ -38,6 +42,7 @@ def check_values(config: SFTConfig) -> None:
         raise SFTError(f"Bad value for `seed`: {config.seed}; give a number from 0 to 4294967295.")
     if config.lora_dropout >= 1:
         raise SFTError(f"Bad value for `lora_dropout`: {config.lora_dropout}; a dropout probability is below 1.")
+    check_peft_keys(config)
     if config.loss_kernel == "liger" and not config.chunked_loss:
         raise SFTError("loss_kernel: liger computes the chunked loss, but chunked_loss is false. Set chunked_loss: "
                        "true to use Liger's kernel, or loss_kernel: auto for the plain full-logits loss.")
@@ -47,6 +52,22 @@ def check_values(config: SFTConfig) -> None:
     check_eval_plan(config)
     if not str(config.output_dir or "").strip():
         raise SFTError("`output_dir` is empty: give the folder the run should write to, e.g. outputs/my-run.")
+
+
+def check_peft_keys(config: SFTConfig) -> None:
+    """LoRA settings the user gave need use_peft: without it they are ignored and a full fine-tune runs instead.
+
+    Only keys the recipe or command line set (recipe_keys) with a value other than the default count: the
+    recipe.yaml of a full fine-tune lists every SFT field, LoRA ones included, at its default.
+    """
+    if config.use_peft:
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(config) if f.name in PEFT_KEYS}
+    given = [key for key in PEFT_KEYS if key in config.recipe_keys and getattr(config, key) != defaults[key]]
+    if given:
+        raise SFTError(f"{given[0]} is set but use_peft is false, so no LoRA adapter would be trained: the run "
+                       "would silently fine-tune every weight instead. Set use_peft: true (or pass --use_peft true) "
+                       f"to train an adapter, or remove {', '.join(given)} for a full fine-tune.")
 
 
 def check_memory_budget(budget: float | None, compiled: bool) -> None:

@@ -106,10 +106,11 @@ def one_step(bench: Bench, rows: datasets.Dataset, micro: int, accumulation: int
 
     Randomness is switched off (dropout, NEFTune) so both runs see the same function.
     """
+    adapter = {"lora_dropout": 0.0} if bench.base.use_peft else {}  # a LoRA key without use_peft is refused
     config = bench.config(output_dir=str(bench.folder / f"batch-{micro}x{accumulation}"), max_steps=1,
                           per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation, optim="sgd",
                           learning_rate=1.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0,
-                          weight_decay=0.0, neftune_noise_alpha=None, lora_dropout=0.0)
+                          weight_decay=0.0, neftune_noise_alpha=None, **adapter)
     trainer = bench.trainer(config, train_set=rows, trainer_cls=trainer_cls)
     no_dropout(trainer.model)
     before = weights(trainer.model, trainable_only=True)
