@@ -8,10 +8,11 @@ from torch import nn
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft import SFTConfig, SFTTrainer
+from sft.cli.main import main
 from sft.errors import SFTError
 from sft.training.recipe import load_recipe
 
-from conftest import make_llama
+from conftest import REPO, make_llama
 
 
 def test_bf16_sets_mixed_precision_and_the_zero3_json():
@@ -78,3 +79,32 @@ def test_cpu_bf16_step_runs_linears_in_bf16_with_fp32_master_weights(tmp_path, t
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert all(not torch.equal(p.detach(), before[k]) for k, p in model.named_parameters())  # all trained
     assert loss16 == pytest.approx(loss32, rel=0.02) and loss16 != loss32
+
+
+def test_cpu_fp16_step_would_silently_run_in_fp32(tmp_path, tokenizer):
+    # Why fp16 is refused on CPU: accelerate enables no fp16 autocast there (SFTConfig built directly, unchecked).
+    loss32, _, _, _ = train_step(tmp_path, tokenizer)
+    loss16, seen16, _, _ = train_step(tmp_path, tokenizer, fp16=True)
+    assert seen16 == {torch.float32} and loss16 == loss32
+
+
+def test_fp16_with_use_cpu_is_refused_by_check_and_train(capsys, monkeypatch):
+    with pytest.raises(SFTError, match="fp16: true cannot run with use_cpu: true.*bf16: true"):
+        load_recipe({"fp16": True, "use_cpu": True})
+    monkeypatch.chdir(REPO)
+    for verb in ("check", "train"):
+        assert main([verb, "recipes/quickstart.yaml", "--fp16", "true", "--use_cpu", "true"]) == 2
+        assert "fp16: true cannot run with use_cpu: true" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour on a machine without a GPU")
+def test_fp16_without_gpu_loads_but_train_refuses_it_naming_cpu_bf16(tmp_path):
+    config = load_recipe({"fp16": True, "output_dir": str(tmp_path / "out")})
+    (problem,) = config.hardware_problems()
+    assert "fp16: true needs a GPU" in problem and "--fp16 false --bf16 true --use_cpu true" in problem
+    from sft.training.flows import train
+
+    with pytest.raises(SFTError, match="fp16"):
+        train(config)
+    assert not (tmp_path / "out").exists()
+    assert load_recipe({"bf16": True, "use_cpu": True}).hardware_problems() == []  # the alternative it names

@@ -175,6 +175,8 @@ class SFTConfig(Seq2SeqTrainingArguments):
 
         bf16 without any GPU is refused unless use_cpu was asked for: a GPU recipe that silently trains on CPU
         (a broken CUDA install, the wrong machine) would look like a hang. With use_cpu it is CPU bf16 autocast.
+        fp16 without any GPU is refused too: accelerate has no CPU fp16 autocast, so it would silently train in fp32
+        (with use_cpu asked for, check_values refuses it when the recipe is built, on any machine).
         """
         cpu_bf16 = [name for name in ("bf16", "bf16_full_eval") if getattr(self, name) and self.cpu_by_default]
         problems = [
@@ -183,6 +185,11 @@ class SFTConfig(Seq2SeqTrainingArguments):
             + (", or pass --use_cpu true to train under CPU bf16 autocast." if name != "tf32" else ".")
             for name in sorted({*self._unsupported_flags, *cpu_bf16})
         ]
+        if self.fp16 and self.cpu_by_default:
+            problems.append("fp16: true needs a GPU, and this machine has none: on CPU the Trainer has no fp16 "
+                            "autocast and would silently train in fp32. Set fp16: false (or pass --fp16 false) to "
+                            "train in fp32 here, or pass --fp16 false --bf16 true --use_cpu true to train under CPU "
+                            "bf16 autocast.")
         liger = liger_unavailable(self.use_cpu) if self.loss_kernel == "liger" else None
         return problems + ([liger] if liger else [])
 

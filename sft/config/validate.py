@@ -43,6 +43,7 @@ def check_values(config: SFTConfig) -> None:
     if config.lora_dropout >= 1:
         raise SFTError(f"Bad value for `lora_dropout`: {config.lora_dropout}; a dropout probability is below 1.")
     check_peft_keys(config)
+    check_cpu_fp16(config)
     if config.loss_kernel == "liger" and not config.chunked_loss:
         raise SFTError("loss_kernel: liger computes the chunked loss, but chunked_loss is false. Set chunked_loss: "
                        "true to use Liger's kernel, or loss_kernel: auto for the plain full-logits loss.")
@@ -68,6 +69,16 @@ def check_peft_keys(config: SFTConfig) -> None:
         raise SFTError(f"{given[0]} is set but use_peft is false, so no LoRA adapter would be trained: the run "
                        "would silently fine-tune every weight instead. Set use_peft: true (or pass --use_peft true) "
                        f"to train an adapter, or remove {', '.join(given)} for a full fine-tune.")
+
+
+def check_cpu_fp16(config: SFTConfig) -> None:
+    """fp16 with use_cpu asked for cannot run on any machine: accelerate enables fp16 autocast (and its loss scaler)
+    only on accelerators, so the steps would run in fp32. Without a GPU and without use_cpu asked for, the
+    machine is what lacks it: hardware_problems reports that when training starts."""
+    if config.fp16 and config.use_cpu and not config.cpu_by_default:
+        raise SFTError("fp16: true cannot run with use_cpu: true: the Trainer has no fp16 autocast on CPU and would "
+                       "silently train in fp32. Set fp16: false to train in fp32, or use bf16: true (CPU bf16 "
+                       "autocast) instead.")
 
 
 def check_memory_budget(budget: float | None, compiled: bool) -> None:

@@ -41,7 +41,8 @@ def prove_sharded_save(bench: Bench) -> tuple[bool | None, str]:
 
 def train_on_processes(bench: Bench, preset: str, run: Path) -> str | None:
     """`sft train` of the bench recipe under torchrun; returns the last error line, or None when it succeeded."""
-    config = bench.config(distributed=preset, use_cpu=True, output_dir=str(run), max_steps=STEPS,
+    # fp16 off: CPU processes have no fp16 autocast, so a recipe's fp16 is refused with use_cpu (check_cpu_fp16)
+    config = bench.config(distributed=preset, use_cpu=True, fp16=False, output_dir=str(run), max_steps=STEPS,
                           save_strategy="steps", save_steps=STEPS, per_device_train_batch_size=2,
                           gradient_accumulation_steps=1, overwrite_output_dir=True)
     unset_hf_deepspeed_config()  # building a ZeRO-3 config set it for this process, whose models stay whole
