@@ -43,3 +43,23 @@ def test_architecture_is_guessed_offline_from_the_hub_id(name, model_type):
 def test_every_shipped_recipe_passes_check(recipe, capsys):
     assert main(["check", str(recipe.path)]) == 0, capsys.readouterr().err[-3000:]
     assert "OK: the recipe is sound." in capsys.readouterr().out
+
+
+def test_a_misspelt_metric_for_best_model_fails_check_before_the_smoke_run(capsys):
+    flags = ["--predict_with_generate", "true", "--metrics", "exact_match,rouge", "--load_best_model_at_end", "true",
+             "--eval_strategy", "steps", "--save_strategy", "steps", "--metric_for_best_model", "rouge"]
+    assert main(["check", "recipes/quickstart.yaml", *flags]) == 2
+    assert "Did you mean `rougeL`?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, code", [("score", 0), ("scores", 2)])
+def test_check_runs_a_user_metric_to_check_metric_for_best_model(tmp_path, monkeypatch, capsys, name, code):
+    # sft train cannot know a user function's keys before it runs; sft check's evaluation runs it
+    (tmp_path / "usermetrics_best.py").write_text("def score(predictions, references):\n    return {'score': 1.0}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    flags = ["--predict_with_generate", "true", "--max_new_tokens", "2", "--metrics", "usermetrics_best:score",
+             "--metric_for_best_model", name]
+    assert main(["check", "recipes/quickstart.yaml", *flags]) == code
+    if code:
+        assert "'scores' is not a metric evaluation reports" in (err := capsys.readouterr().err)
+        assert "Did you mean `score`?" in err

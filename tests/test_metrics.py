@@ -7,7 +7,15 @@ from collections import Counter
 import pytest
 
 from sft import SFTError
-from sft.evaluation.metrics import bleu, compute_metrics, exact_match, resolve_metrics, rouge
+from sft.evaluation.metrics import (
+    bleu,
+    check_best_metric,
+    compute_metrics,
+    eval_keys,
+    exact_match,
+    resolve_metrics,
+    rouge,
+)
 
 
 def words(text: str) -> list[str]:
@@ -109,3 +117,28 @@ def test_a_user_function_must_return_a_dict(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(SFTError, match="must return a dict"):
         compute_metrics(resolve_metrics(["bad_metrics:score"]), ["a"], ["a"])
+
+
+def test_eval_keys_are_the_loss_speed_and_builtin_metric_keys():
+    speed = ["runtime", "samples_per_second", "steps_per_second"]
+    assert eval_keys(None, True) == ["loss", "exact_match", "rouge1", "rouge2", "rougeL", "bleu", *speed]
+    assert eval_keys(["rouge"], True) == ["loss", "rouge1", "rouge2", "rougeL", *speed]
+    assert eval_keys(["rouge"], False) == ["loss", *speed]  # no generation, no generation metrics
+    assert eval_keys(["exact_match", "my_metrics:score"], True) is None  # known once the function runs
+    # the keys the built-ins really return
+    assert set(eval_keys(None, True)) >= set(compute_metrics(resolve_metrics(None), ["a b"], ["a b"]))
+
+
+@pytest.mark.parametrize("name, message", [
+    ("rouge", "'rouge' is not a metric evaluation reports (loss, rouge1, rouge2, rougeL, runtime"),
+    ("rouge", "Did you mean `rougeL`?"), ("eval_rogueL", "Did you mean `rougeL`?"), ("los", "Did you mean `loss`?")])
+def test_a_misspelt_metric_for_best_model_is_refused_with_the_nearest_key(name, message):
+    with pytest.raises(SFTError, match=re.escape(message)):
+        check_best_metric(name, eval_keys(["rouge"], True), generates=True)
+
+
+def test_metric_for_best_model_takes_reported_keys_with_or_without_eval_prefix():
+    for name in (None, "loss", "eval_loss", "rougeL", "eval_rougeL"):
+        check_best_metric(name, eval_keys(["rouge"], True), generates=True)
+    with pytest.raises(SFTError, match="need predict_with_generate: true"):
+        check_best_metric("rougeL", eval_keys(["rouge"], False), generates=False)

@@ -23,6 +23,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from sft.config.arguments import SFTConfig
 from sft.data.chat_templates import generation_eos
 from sft.errors import SFTError
+from sft.evaluation.metrics import check_best_metric
 from sft.models.families import VARLEN, guess_model_type
 from sft.models.hub import local_files_only
 from sft.training.catalog import shipped
@@ -66,11 +67,16 @@ def check_recipe(path: str, flags: list[str] | None = None) -> CheckReport:
     """Validate and dry-run a recipe on CPU; raises SFTError with what is wrong."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="sft-check-") as tmp:
-        _, values, report = tiny_recipe(path, flags, Path(tmp))
+        config, values, report = tiny_recipe(path, flags, Path(tmp))
         from sft.training.flows import train
 
         run_dir = train(load_recipe(values))
         report.metrics = _final_metrics(run_dir)
+    # sft train checks metric_for_best_model before loading unless a user metric function reports keys known only
+    # once it runs: the smoke's final evaluation ran it
+    reported = [key.removeprefix("eval_") for key in report.metrics if key.startswith("eval_")]
+    if reported:
+        check_best_metric(config.metric_for_best_model, reported, config.predict_with_generate)
     report.seconds = time.perf_counter() - start
     return report
 

@@ -13,6 +13,9 @@ from sft.errors import SFTError
 
 MetricFn = Callable[[list[str], list[str]], dict[str, float]]
 DEFAULT_METRICS = ("exact_match", "rouge", "bleu")
+ROUGE_KINDS = ("rouge1", "rouge2", "rougeL")
+# What every evaluation reports (eval_ prefixed): sft's exact loss, then Trainer.evaluate's speed figures.
+EVAL_KEYS = ("loss", "runtime", "samples_per_second", "steps_per_second")
 
 
 def exact_match(predictions: list[str], references: list[str]) -> dict[str, float]:
@@ -27,12 +30,11 @@ def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
         rouge_scorer,  # imported on use: only generation evals pay for nltk
     )
 
-    kinds = ("rouge1", "rouge2", "rougeL")
-    scorer = rouge_scorer.RougeScorer(list(kinds), use_stemmer=True)
-    totals = dict.fromkeys(kinds, 0.0)
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_KINDS), use_stemmer=True)
+    totals = dict.fromkeys(ROUGE_KINDS, 0.0)
     for prediction, reference in zip(predictions, references, strict=True):
         scores = scorer.score(reference, prediction)  # rouge-score takes (target, prediction)
-        for kind in kinds:
+        for kind in ROUGE_KINDS:
             totals[kind] += scores[kind].fmeasure
     return {kind: total / max(len(references), 1) for kind, total in totals.items()}
 
@@ -45,6 +47,7 @@ def bleu(predictions: list[str], references: list[str]) -> dict[str, float]:
 
 
 BUILTIN: dict[str, MetricFn] = {"exact_match": exact_match, "rouge": rouge, "bleu": bleu}
+BUILTIN_KEYS = {"exact_match": ("exact_match",), "rouge": ROUGE_KINDS, "bleu": ("bleu",)}  # what each returns
 
 
 def resolve_metrics(names: list[str] | None) -> list[MetricFn]:
@@ -71,6 +74,28 @@ def resolve_metric(name: str) -> MetricFn:
     if not callable(function):
         raise SFTError(f"Metric `{name}`: module {module_name} has no function `{attribute}`.")
     return function
+
+
+def eval_keys(names: list[str] | None, generates: bool) -> list[str] | None:
+    """The keys an evaluation reports, without the eval_ prefix: the loss and speed figures, plus the generation
+    metrics' with predict_with_generate; None when a user function is among them (its keys are known once it runs)."""
+    names = (DEFAULT_METRICS if names is None else names) if generates else []
+    if any(name not in BUILTIN_KEYS for name in names):
+        return None
+    return [EVAL_KEYS[0], *(key for name in names for key in BUILTIN_KEYS[name]), *EVAL_KEYS[1:]]
+
+
+def check_best_metric(name: str | None, reported: list[str], generates: bool) -> None:
+    """metric_for_best_model is a key evaluation reports (with or without eval_): the Trainer looks it up after
+    each evaluation and fails with a KeyError there, after training up to it and before that step's checkpoint."""
+    if name is None or name.removeprefix("eval_") in reported:
+        return
+    close = difflib.get_close_matches(name.removeprefix("eval_"), reported, n=1)
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    generation = ("" if generates else " Generation metrics (exact_match, rouge1, rouge2, rougeL, bleu or your own) "
+                  "need predict_with_generate: true.")
+    raise SFTError(f"Bad value for `metric_for_best_model`: {name!r} is not a metric evaluation reports "
+                   f"({', '.join(reported)}).{hint}{generation}")
 
 
 def compute_metrics(functions: list[MetricFn], predictions: list[str], references: list[str]) -> dict[str, float]:

@@ -18,7 +18,7 @@ from sft.data.proven_templates import unproven_template_hint
 from sft.data.stats import DataStats, compute_stats
 from sft.data.tokenizer import load_tokenizer
 from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
-from sft.evaluation.metrics import resolve_metrics
+from sft.evaluation.metrics import check_best_metric, eval_keys, resolve_metrics
 from sft.models.adapters import check_adapter_training
 from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.loading import load_model, load_model_config
@@ -120,6 +120,9 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     check_adapter_training(config)
     if config.predict_with_generate:
         resolve_metrics(config.metrics)  # a misspelt metric fails now, not after the model has loaded
+    reported = eval_keys(config.metrics, config.predict_with_generate)
+    if reported is not None:  # a user metric function's keys are known once it runs: sft check runs it
+        check_best_metric(config.metric_for_best_model, reported, config.predict_with_generate)
     config = with_model_limits(config, fitted_max_length(config))
     out = Path(config.output_dir)
     rundir.check_output_dir(out)
