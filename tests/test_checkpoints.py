@@ -2,15 +2,18 @@
 
 import os
 import signal
+from pathlib import Path
 
 import datasets
 import pytest
 import torch
 from transformers import TrainerCallback
 
-from sft import SFTConfig, SFTTrainer
+from sft import SFTConfig, SFTTrainer, rundir
+from sft.cli.main import main
+from sft.training.checkpoints import is_resumable
 
-from conftest import make_llama
+from conftest import REPO, make_llama
 
 
 def toy_data(n: int = 32) -> datasets.Dataset:
@@ -72,3 +75,64 @@ def test_signal_stops_at_the_step_boundary_with_a_checkpoint(tmp_path, tokenizer
     assert (tmp_path / "checkpoint-3" / "model.safetensors").exists()
     assert trainer.stop_on_signal.exit_code == 128 + signum
     assert signal.getsignal(signum) is before  # handlers restored after training
+
+
+def saved(folder: Path, *entries: str) -> Path:
+    """A folder holding trainer_state.json and `entries` (a trailing / makes a folder)."""
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text("{}")
+    for entry in entries:
+        (folder / entry).mkdir() if entry.endswith("/") else (folder / entry).write_bytes(b"")
+    return folder
+
+
+@pytest.mark.parametrize("optimizer", ["optimizer.pt", "optimizer.bin", "optimizer_0/", "global_step3/"])
+def test_a_checkpoint_with_optimizer_state_resumes(tmp_path, optimizer):
+    # the Trainer's, accelerate's (FSDP full / sharded) and DeepSpeed's optimizer state
+    assert is_resumable(saved(tmp_path / "checkpoint-3", "model.safetensors", optimizer))
+
+
+def test_a_run_folder_is_not_a_checkpoint(tmp_path):
+    assert not is_resumable(saved(tmp_path / "done", "model.safetensors", "training_args.bin"))  # a finished run
+    assert not is_resumable(tmp_path / "done" / "missing")
+    killed = tmp_path / "killed"
+    saved(killed / "checkpoint-3", "optimizer.pt")
+    assert not is_resumable(killed)
+
+
+def resume_error(tmp_path, tiny_model_dir, capsys, resume: Path, out: Path) -> str:
+    """sft train's one-line error for --resume_from_checkpoint `resume` (exit 2, nothing written)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset: {REPO / 'tests/bad_inputs/good.json'}\n"
+                      "max_steps: 1\nreport_to: none\n")
+    assert main(["train", str(recipe), "--output_dir", str(out), "--resume_from_checkpoint", str(resume)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.split("sft: error:")[1].strip().splitlines()) == 1
+    return err
+
+
+def test_resuming_from_a_killed_runs_folder_names_its_newest_checkpoint(tmp_path, tiny_model_dir, capsys):
+    killed = tmp_path / "killed"
+    for step in (2, 4):
+        saved(killed / f"checkpoint-{step}", "optimizer.pt")
+    err = resume_error(tmp_path, tiny_model_dir, capsys, killed, tmp_path / "new")
+    assert (f"{killed} is a run folder, not a checkpoint. Resume from its newest checkpoint with "
+            f"--resume_from_checkpoint {killed / 'checkpoint-4'}, or continue that run in its own folder with "
+            f"--output_dir {killed} --resume_from_checkpoint true") in err
+    assert not (tmp_path / "new").exists()
+
+
+def test_resuming_from_a_finished_runs_folder_is_refused_not_restarted(tmp_path, tiny_model_dir, capsys):
+    done = saved(tmp_path / "done", "model.safetensors")
+    err = resume_error(tmp_path, tiny_model_dir, capsys, done, tmp_path / "new")
+    assert f"{done} holds no optimizer state and no checkpoint-N folder" in err
+    assert f"pass --model_name_or_path {done} instead" in err
+
+
+def test_resume_true_needs_optimizer_state_in_the_newest_checkpoint(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "run"
+    saved(out / "checkpoint-2", "optimizer.pt")
+    saved(out / "checkpoint-4", "model.safetensors")  # save_only_model: weights and state, no optimizer
+    rundir.claim(out)  # an earlier sft run's folder
+    err = resume_error(tmp_path, tiny_model_dir, capsys, Path("true"), out)
+    assert f"{out / 'checkpoint-4'} holds no optimizer state" in err

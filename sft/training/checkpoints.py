@@ -21,6 +21,17 @@ log = logging.getLogger(__name__)
 STAGING_PREFIX = ".staging-"
 
 
+def is_resumable(folder: Path) -> bool:
+    """Whether `folder` is a checkpoint the Trainer resumes exactly: trainer_state.json plus the optimizer's state
+    (optimizer.pt, accelerate's optimizer.bin or FSDP's sharded optimizer_N/) or DeepSpeed's global_stepN/, which
+    holds it. A finished run's folder has trainer_state.json and weights but no optimizer: the Trainer would load
+    the weights and quietly restart the optimizer and the learning-rate schedule (warm-up included)."""
+    if not (folder / "trainer_state.json").is_file():
+        return False
+    return any(entry.name.startswith("optimizer") or (entry.is_dir() and entry.name.startswith("global_step"))
+               for entry in folder.iterdir())
+
+
 def staging_root(run_dir: str | Path, step: int) -> Path:
     """Where checkpoint-`step` is written before it is complete."""
     return Path(run_dir) / f"{STAGING_PREFIX}{step}"

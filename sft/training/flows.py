@@ -23,6 +23,7 @@ from sft.models.adapters import check_adapter_training
 from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.loading import load_model, load_model_config
 from sft.models.quantization import check_quantization
+from sft.training.checkpoints import is_resumable
 from sft.training.presets import prepare_final_save
 from sft.training.recipe import save_recipe, with_model_limits
 from sft.training.report import plot_loss, write_model_card
@@ -135,13 +136,33 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
 
 
 def check_resume(out: Path, resume: str | bool | None) -> None:
-    """The checkpoint a resume asks for exists: a given path, or (true) a checkpoint-N folder in output_dir."""
+    """The checkpoint a resume asks for exists and resumes exactly: a given path, or (true) the newest checkpoint-N
+    folder in output_dir."""
     if isinstance(resume, str) and not Path(resume).expanduser().is_dir():
         raise SFTError(f"resume_from_checkpoint: {resume} does not exist. Give a checkpoint-N folder of a run, or "
                        "true for the newest checkpoint in output_dir.")
     if resume is True and (not out.is_dir() or get_last_checkpoint(str(out)) is None):
         raise SFTError(f"resume_from_checkpoint is true but output_dir {out} holds no checkpoint-N folder. Train "
                        "without --resume_from_checkpoint, or point it at a checkpoint folder.")
+    if resume:
+        check_checkpoint(Path(get_last_checkpoint(str(out)) if resume is True else resume).expanduser(), out)
+
+
+def check_checkpoint(folder: Path, out: Path) -> None:
+    """`folder` holds a checkpoint (is_resumable), not a run folder: the Trainer refuses a killed run's folder
+    after loading the model, and "resumes" a finished run's from its final weights with a fresh optimizer."""
+    if is_resumable(folder):
+        return
+    newest = get_last_checkpoint(str(folder))
+    if newest:
+        in_place = ("--resume_from_checkpoint true" if folder.resolve() == out.resolve()
+                    else f"--output_dir {folder} --resume_from_checkpoint true")
+        raise SFTError(f"resume_from_checkpoint: {folder} is a run folder, not a checkpoint. Resume from its newest "
+                       f"checkpoint with --resume_from_checkpoint {newest}, or continue that run in its own folder "
+                       f"with {in_place}.")
+    raise SFTError(f"resume_from_checkpoint: {folder} holds no optimizer state and no checkpoint-N folder, so "
+                   "training cannot resume exactly (optimizer and learning-rate schedule). To train on from its "
+                   f"weights with a new optimizer and schedule, pass --model_name_or_path {folder} instead.")
 
 
 def fitted_max_length(config: SFTConfig) -> int:
