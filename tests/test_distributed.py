@@ -12,7 +12,7 @@ from sft.cli.main import main
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.families import family
-from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, PRESETS
+from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, LAUNCHER_ENV, PRESETS, check_launcher
 from sft.training.recipe import FIELDS, load_recipe, resolved_recipe
 
 from conftest import REPO
@@ -338,3 +338,45 @@ def test_a_finished_command_closes_the_process_group_a_failed_one_leaves_it(monk
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.fixture
+def plain_process(monkeypatch):
+    """No launcher's variables, as in a shell that runs `sft train` itself."""
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("flags, what", [(["--distributed", "fsdp"], "distributed: fsdp"),
+                                         (["--distributed", "zero3_offload"], "distributed: zero3_offload"),
+                                         (["--fsdp", "full_shard auto_wrap"], "fsdp"),
+                                         (["--deepspeed", str(DEEPSPEED_CONFIGS["zero2"])], "deepspeed")])
+def test_a_sharded_run_without_a_launcher_is_refused_before_loading(plain_process, tiny_model_dir, tmp_path,
+                                                                     capsys, flags, what):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": str(tiny_model_dir), "dataset": "no-such-data.json",
+                                      "output_dir": str(tmp_path / "out")}))
+    assert main(["train", str(recipe), *flags]) == 2  # the data does not even exist: nothing was tokenized
+    err = capsys.readouterr().err
+    assert f"sft: error: {what} shards the run over processes that a launcher starts" in err
+    assert "`sft launch RECIPE --num_processes N` (N GPUs; 1 on one GPU)" in err and "torchrun" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("variable", LAUNCHER_ENV)
+def test_a_sharded_run_under_a_launcher_or_a_ddp_run_goes_ahead(plain_process, monkeypatch, variable):
+    check_launcher(load_recipe({"distributed": "ddp"}))  # one plain process is plain training
+    config = load_recipe({"distributed": "zero3", "use_cpu": True})
+    with pytest.raises(SFTError, match="launcher"):
+        check_launcher(config)
+    monkeypatch.setenv(variable, "1")  # torchrun / accelerate / deepspeed (WORLD_SIZE, LOCAL_RANK), or mpirun
+    check_launcher(config)
+
+
+def test_check_passes_a_sharded_recipe_and_says_how_to_launch_it(plain_process, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["check", "recipes/quickstart.yaml", "--distributed", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped (multi-process)  distributed, fsdp, fsdp_config: train with `sft launch recipes/quickstart.yaml " \
+           "--num_processes N` (N GPUs; 1 on one GPU), plain `sft train` refuses a sharded run" in out
+    assert "OK: the recipe is sound." in out

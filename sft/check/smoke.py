@@ -2,7 +2,8 @@
 
 Every key is validated, the data format is checked on a sample (the real data when reachable, else the project's
 sample data of the declared format), and the recipe's settings (packing, LoRA/QLoRA, NEFTune, chat template,
-generation eval, ...) run for 2 training steps and a short eval. GPU-only settings are reported and skipped.
+generation eval, ...) run for 2 training steps and a short eval. GPU-only settings are reported and skipped, and
+so are multi-process ones (distributed presets, fsdp, deepspeed), with how `sft train` needs them launched.
 """
 
 import dataclasses
@@ -27,6 +28,7 @@ from sft.evaluation.metrics import check_best_metric
 from sft.models.families import VARLEN, guess_model_type
 from sft.models.hub import local_files_only
 from sft.training.catalog import shipped
+from sft.training.presets import shards
 from sft.training.recipe import load_recipe
 
 log = logging.getLogger(__name__)
@@ -39,8 +41,10 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             max_position_embeddings=1024, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
             n_embd=64, n_layer=2, n_head=4, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, head_dim=16)
-GPU_ONLY = {"bf16": False, "tf32": None, "fp16": False, "bf16_full_eval": False, "distributed": None,
-            "fsdp": "", "fsdp_config": None, "deepspeed": None}
+GPU_ONLY = {"bf16": False, "tf32": None, "fp16": False, "bf16_full_eval": False}
+# The smoke run is one plain process, on CPU or GPU: sharding needs a launcher (sft launch), and `--prove` trains
+# the recipe's preset on 2 processes under torchrun.
+MULTI_PROCESS = {"distributed": None, "fsdp": "", "fsdp_config": None, "deepspeed": None}
 
 
 @dataclasses.dataclass
@@ -51,12 +55,14 @@ class CheckReport:
     model_type: str = ""
     data: str = ""
     skipped: list[str] = dataclasses.field(default_factory=list)
+    launch: str = ""  # the multi-process keys skipped, and how the recipe must be started
     metrics: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
 
     def table(self) -> str:
         rows = [("recipe", self.recipe), ("architecture", f"tiny {self.model_type} (2 layers, hidden 64)"),
                 ("data", self.data), ("skipped (GPU only)", ", ".join(self.skipped) or "-")]
+        rows += [("skipped (multi-process)", self.launch)] if self.launch else []
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in self.metrics.items()]
         rows.append(("time", f"{self.seconds:.1f} s"))
         width = max(len(k) for k, _ in rows)
@@ -104,6 +110,7 @@ def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:
     if attn.startswith("flash") or attn == VARLEN:  # half-precision GPU kernels; the smoke run is fp32, maybe on CPU
         report.skipped.append(f"attn_implementation={attn}")
         overrides["attn_implementation"] = "sdpa"
+    overrides.update(single_process(config, report))
     if not torch.cuda.is_available():
         for key, off in GPU_ONLY.items():
             if getattr(config, key) not in (None, False, "", [], {}):
@@ -113,6 +120,17 @@ def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:
             report.skipped.append("loss_kernel=liger")
             overrides["loss_kernel"] = "auto"
     return overrides
+
+
+def single_process(config: SFTConfig, report: CheckReport) -> dict:
+    """The multi-process keys turned off for the one-process smoke run, reported with how `sft train` takes them."""
+    keys = [key for key in MULTI_PROCESS if getattr(config, key) not in (None, False, "", [], {})]
+    if not keys:
+        return {}
+    start = f"sft launch {report.recipe} --num_processes N"
+    report.launch = ", ".join(keys) + (f": train with `{start}` (N GPUs; 1 on one GPU), plain `sft train` refuses "
+                                       "a sharded run" if shards(config) else f": `{start}` runs one per GPU")
+    return {key: MULTI_PROCESS[key] for key in keys}
 
 
 def sample_data(config: SFTConfig, report: CheckReport) -> dict:

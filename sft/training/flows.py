@@ -24,7 +24,7 @@ from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.loading import load_model, load_model_config
 from sft.models.quantization import check_quantization
 from sft.training.checkpoints import is_resumable
-from sft.training.presets import prepare_final_save
+from sft.training.presets import check_launcher, prepare_final_save
 from sft.training.recipe import save_recipe, with_model_limits
 from sft.training.report import plot_loss, write_model_card
 from sft.training.trainer import SFTMixin, trainer_class
@@ -112,11 +112,13 @@ def resume_setting(value: str | bool | None) -> str | bool | None:
 
 
 def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTConfig:
-    """Fail fast on what needs no data or model: GPU-only flags, an adapter folder as the model, max_length, the
-    output folder, the resume target; returns the recipe with max_length fitted to the model (fitted_max_length)."""
+    """Fail fast on what needs no data or model: GPU-only flags, a sharded run without a launcher, an adapter folder
+    as the model, metric names, max_length, the output folder, the resume target; returns the recipe with max_length
+    fitted to the model (fitted_max_length)."""
     problems = config.hardware_problems()
     if problems:
         raise SFTError(problems[0])
+    check_launcher(config)
     check_quantization(config)
     check_adapter_training(config)
     if config.predict_with_generate:

@@ -7,11 +7,13 @@ wins. The preset files live in recipes/accelerate (launcher configs) and recipes
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from transformers import Trainer
 
+from sft.config.arguments import SFTConfig
 from sft.config.names import DISTRIBUTED_PRESETS
 from sft.errors import SFTError
 from sft.models.adapters import base_model_name, is_adapter_folder
@@ -35,6 +37,9 @@ FSDP_PRESETS = {
 }
 FSDP_PRESETS["fsdp_offload"] = {**FSDP_PRESETS["fsdp"], "cpu_offload": True}
 # transformers 4 / Stanford Alpaca `--fsdp "full_shard auto_wrap"` words as FSDP2 fsdp_config keys.
+# What a launcher sets in each process it starts: torchrun, accelerate launch and deepspeed set WORLD_SIZE and
+# LOCAL_RANK; MPI launchers (mpirun) set their own, which DeepSpeed reads through mpi4py.
+LAUNCHER_ENV = ("WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 LEGACY_FSDP_OPTIONS = {"full_shard": {"reshard_after_forward": True}, "shard_grad_op": {"reshard_after_forward": False},
                        "offload": {"cpu_offload": True}, "auto_wrap": {}}
 
@@ -175,6 +180,25 @@ def peft_zero3_settings(values: dict) -> dict:
         log.warning("use_reentrant: false with PEFT on ZeRO-3 fails the backward pass on older DeepSpeed "
                     "(transformers#47254); remove it to use the reentrant default sft sets.")
     return {"activation_checkpointing_kwargs": {"use_reentrant": True, **kwargs}}
+
+
+def shards(config: SFTConfig) -> bool:
+    """Whether the run shards over processes (FSDP or DeepSpeed, from a preset or the recipe's own keys); `ddp`
+    sets neither and runs as one plain process too."""
+    return bool(config.fsdp or config.deepspeed)
+
+
+def check_launcher(config: SFTConfig) -> None:
+    """A sharded run needs the processes a launcher starts. As one plain process the Trainer fails only after the
+    data is tokenized and the model loaded: FSDP with "only works in distributed training", DeepSpeed looking for
+    MPI. One process under a launcher is fine (one GPU with fsdp_offload / zero3_offload)."""
+    if not shards(config) or any(name in os.environ for name in LAUNCHER_ENV):
+        return
+    what = (f"distributed: {config.distributed}" if config.distributed in (*FSDP_PRESETS, *DEEPSPEED_CONFIGS)
+            else "fsdp" if config.fsdp else "deepspeed")
+    raise SFTError(f"{what} shards the run over processes that a launcher starts, and this is one plain process. "
+                   "Run `sft launch RECIPE --num_processes N` (N GPUs; 1 on one GPU) or `torchrun --nproc_per_node N "
+                   "-m sft train RECIPE`.")
 
 
 def prepare_final_save(trainer: Trainer) -> None:
