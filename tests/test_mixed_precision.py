@@ -108,3 +108,33 @@ def test_fp16_without_gpu_loads_but_train_refuses_it_naming_cpu_bf16(tmp_path):
         train(config)
     assert not (tmp_path / "out").exists()
     assert load_recipe({"bf16": True, "use_cpu": True}).hardware_problems() == []  # the alternative it names
+
+
+def changed_share(run, start: dict) -> float:
+    from safetensors.torch import load_file
+
+    trained = load_file(run / "model.safetensors")
+    changed = sum(int((trained[k] != start[k].to(trained[k].dtype)).sum()) for k in start if k in trained)
+    return changed / sum(start[k].numel() for k in start if k in trained)
+
+
+def test_a_full_fine_tune_of_bf16_weights_is_warned_that_updates_round_away(tmp_path, caplog):
+    """sft train of weights loaded as bfloat16 (one process, CPU bf16 autocast as on a GPU): AdamW at a fine-tuning
+    learning rate changes few weights, because a bf16 weight cannot take a step below its precision; the run says
+    so. Controls: float32 master weights under the same autocast change most weights and are not warned about,
+    and LoRA adapters (float32) are not warned about."""
+    from safetensors.torch import load_file
+
+    start = load_file(REPO / "data/models/tiny-llama/model.safetensors")
+    base = ["train", str(REPO / "recipes/quickstart.yaml"), "--bf16", "true", "--use_cpu", "true", "--max_steps", "3",
+            "--learning_rate", "2e-5", "--warmup_steps", "0", "--eval_strategy", "no", "--save_strategy", "no"]
+    shares, warned = {}, {}
+    for dtype, extra in (("bfloat16", []), ("float32", []), ("bfloat16", ["--use_peft", "true"])):
+        caplog.clear()
+        run = tmp_path / f"{dtype}{len(extra)}"
+        assert main([*base, "--dtype", dtype, "--output_dir", str(run), *extra]) == 0
+        warned[dtype, bool(extra)] = "with no float32 copy" in caplog.text
+        if not extra:
+            shares[dtype] = changed_share(run, start)
+    assert warned == {("bfloat16", False): True, ("float32", False): False, ("bfloat16", True): False}
+    assert shares["bfloat16"] < 0.5 < shares["float32"], shares  # what the warning is about

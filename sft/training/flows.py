@@ -24,7 +24,7 @@ from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.loading import load_model, load_model_config
 from sft.models.quantization import check_quantization
 from sft.training.checkpoints import is_resumable
-from sft.training.presets import check_launcher, prepare_final_save
+from sft.training.presets import check_launcher, prepare_final_save, warn_half_precision_masters
 from sft.training.recipe import save_recipe, with_model_limits
 from sft.training.report import plot_loss, write_model_card
 from sft.training.trainer import SFTMixin, trainer_class
@@ -51,6 +51,7 @@ def train(config: SFTConfig) -> Path:
     log.info("\n%s", stats.table("Training data"))
     transformers.set_seed(config.seed)  # new embedding rows are sampled: make them reproducible
     model = load_model(config, tokenizer)
+    warn_half_precision_masters(model, config)
     trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer, train_dataset=train_set,
                                    eval_dataset=eval_set)
     if eval_set is not None and eval_set is not eval_data.dataset and trainer.generation_eval is not None:

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import Trainer
 
 from sft.config.arguments import SFTConfig
@@ -186,6 +187,19 @@ def shards(config: SFTConfig) -> bool:
     """Whether the run shards over processes (FSDP or DeepSpeed, from a preset or the recipe's own keys); `ddp`
     sets neither and runs as one plain process too."""
     return bool(config.fsdp or config.deepspeed)
+
+
+def warn_half_precision_masters(model: Any, config: SFTConfig) -> None:
+    """A full fine-tune of bfloat16/float16 weights on one GPU or DDP keeps no float32 copy, so AdamW steps below the
+    16-bit precision of a weight (about 1/256 of it in bf16: most steps at fine-tuning learning rates) round away.
+    FSDP (accelerate upcasts trainable weights) and DeepSpeed keep float32 masters; LoRA adapters train in float32."""
+    half = [p for p in model.parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
+    if half and not shards(config):
+        log.warning("%s of the trainable parameters are %s with no float32 copy: AdamW updates smaller than their "
+                    "precision are lost (most at learning_rate %g). Set dtype: float32 with bf16: true for mixed "
+                    "precision (float32 master weights, bf16 compute, 2x weight memory), or distributed: fsdp / zero2 "
+                    "/ zero3, or use_peft: true.", f"{sum(p.numel() for p in half):,}", half[0].dtype,
+                    config.learning_rate)
 
 
 def check_launcher(config: SFTConfig) -> None:
