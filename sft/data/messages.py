@@ -106,7 +106,7 @@ def _openai_message(raw: Any, label: str, trainable: bool, ctx: Row) -> Message:
     reasoning = next((raw[k] for k in REASONING_FIELDS if isinstance(raw.get(k), str) and raw[k].strip()), None)
     if reasoning is not None and role == "assistant":
         data["reasoning_content"] = reasoning
-    return Message(data, trainable and _wants_training(raw), label)
+    return Message(data, trainable and _wants_training(raw, label, ctx), label)
 
 
 def _content(value: Any, label: str, ctx: Row) -> str:
@@ -120,9 +120,17 @@ def _content(value: Any, label: str, ctx: Row) -> str:
     raise ctx.error(f"content is a {type(value).__name__}, not a string", "Store message content as text.", label)
 
 
-def _wants_training(raw: dict) -> bool:
-    """False for a message marked `train: false` or `weight: 0`."""
-    return raw.get("train") is not False and raw.get("weight") not in (0, 0.0)
+def _wants_training(raw: dict, label: str, ctx: Row) -> bool:
+    """False for a message marked `train: false` or `weight: 0`. Other values are refused: a string "false" or a
+    weight of 0.5 would otherwise be trained in full without a word."""
+    train, weight = raw.get("train"), raw.get("weight")
+    if train is not None and not isinstance(train, bool):
+        raise ctx.error(f"`train` is {train!r}, not a boolean", "Write train: true or false (JSON true/false, no "
+                        "quotes).", label)
+    if weight is not None and (isinstance(weight, bool) or weight not in (0, 1)):
+        raise ctx.error(f"`weight` is {weight!r}; a message's weight is 0 (context) or 1 (trained)",
+                        "Write weight: 0 or 1, or train: false.", label)
+    return train is not False and weight != 0
 
 
 def _tool_call(raw: Any, label: str, ctx: Row) -> dict:
