@@ -168,3 +168,22 @@ def test_training_stats_count_only_the_rows_left_for_training(tmp_path, capsys):
     over, held_over = sum(n > 24 for n in whole["length"]), sum(n > 24 for n in held["length"])
     assert stats["rows"] == len(whole) == len(held) == 20
     assert stats["truncated_rows"] == over > 0 and held_over > 0  # control: both parts have rows over 24 tokens
+
+
+def test_a_save_to_disk_folder_is_a_dataset(tmp_path):
+    """A Dataset or DatasetDict saved with save_to_disk (arrow shards + json state files) reads as its rows: it was
+    refused as a folder of mixed file types. A DatasetDict's split is the source's `split`, sliceable."""
+    import datasets
+
+    saved, both = tmp_path / "saved", tmp_path / "dict"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(saved))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])}
+                         ).save_to_disk(str(both))
+    assert rows_of(saved) == ROWS and rows_of(saved, "train[:3]") == ROWS[:3]
+    assert rows_of(both) == ROWS and rows_of(both, "test") == ROWS[:2]
+    with pytest.raises(SFTError, match="has no split 'validation'; it has train, test"):
+        rows_of(both, "validation")
+    config = load_recipe({"model_name_or_path": "data/models/tiny-llama", "dataset": str(saved)})
+    from sft.data.build import build_datasets
+
+    assert len(build_datasets(config)[0]) == len(ROWS)  # trains like the same rows in a JSON file

@@ -71,6 +71,22 @@ def load_source(source: Source) -> datasets.Dataset:
     return rename_columns(ds, source)
 
 
+def _load_saved(path: Path, split: str) -> datasets.Dataset:
+    """A folder written by Dataset.save_to_disk (state.json) or DatasetDict.save_to_disk (dataset_dict.json, one
+    folder per split); `split` picks the split of a DatasetDict and may slice it ("train[:100]")."""
+    name, _, part = split.partition("[")
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except Exception as err:  # datasets raises several types for a damaged folder
+        raise SFTError(f"Could not read the saved dataset {path}: {_first_line(err)}") from None
+    if isinstance(saved, datasets.DatasetDict):
+        if name not in saved:
+            raise SFTError(f"Dataset {path} has no split {name!r}; it has {', '.join(saved)}. Set the source's "
+                           "`split`.")
+        saved = saved[name]
+    return _sliced(saved, f"train[{part}" if part else "train", path)
+
+
 def _check_reachable(source: Source) -> None:
     """A path-looking source that is not on disk is a typo, not a Hub id."""
     if looks_local(source.path) or Path(source.path).suffix in FILE_TYPES:
@@ -87,6 +103,8 @@ def _data_files(path: Path) -> list[Path]:
 
 
 def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        return _load_saved(path, split)
     files = _data_files(path)
     if not files:
         raise SFTError(f"Dataset folder {path} holds no {', '.join(FILE_TYPES)} files.")
@@ -175,12 +193,17 @@ def _from_rows(files: list[Path], parts: list[list[dict]], split: str) -> datase
             raise SFTError(f"Could not read dataset {files[0]}: {_first_line(err)}") from None
     # The tokenization cache keys on the fingerprint; make it follow the files' content, not a random id.
     ds._fingerprint = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+    return _sliced(ds, split, files[0])
+
+
+def _sliced(ds: datasets.Dataset, split: str, where: Path) -> datasets.Dataset:
+    """The rows a split spec such as "train[:64]" or "train[10%:]" selects of `ds` (all for "train")."""
     if split == "train":
         return ds
     try:
         bounds = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(ds)})
     except (ValueError, AssertionError) as err:
-        raise SFTError(f"Bad split {split!r} for {files[0]}: {err}") from None
+        raise SFTError(f"Bad split {split!r} for {where}: {err}") from None
     return ds.select([i for b in bounds for i in range(b.from_, b.to)])
 
 
