@@ -73,10 +73,15 @@ def test_eval_writes_beside_a_run_and_replaces_its_results_only_when_asked(tmp_p
     out = tmp_path / "run"
     assert run("train", recipe(tmp_path, out)) == 0
     before = snapshot(out)
-    assert run("eval", recipe(tmp_path, out)) == 2
+    for overwrite in ([], ["--overwrite_output_dir", "true"]):  # the recipe's base model, not the run's
+        assert run("eval", recipe(tmp_path, out), *overwrite) == 2
+        assert f"Evaluate the run with --model_name_or_path {out}" in capsys.readouterr().err
+        assert snapshot(out) == before
+    trained = ["--model_name_or_path", str(out)]
+    assert run("eval", recipe(tmp_path, out), *trained) == 2
     assert "already holds eval_results.json" in capsys.readouterr().err
     assert snapshot(out) == before
-    assert run("eval", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 0
+    assert run("eval", recipe(tmp_path, out), *trained, "--overwrite_output_dir", "true") == 0
     after = snapshot(out)
     changed = {name for name in before if after.get(name) != before[name]}
     assert changed <= {"eval_results.json", "sft_run.json"} and "eval_results.json" in changed

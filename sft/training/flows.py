@@ -230,7 +230,7 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
     """Teacher-forced loss and perplexity on the recipe's eval set, plus generation metrics and predictions.jsonl
     with predict_with_generate; writes eval_results.json to output_dir, replacing an earlier one only when asked."""
     out = Path(config.output_dir)
-    check_eval_output(out, config.overwrite_output_dir)
+    check_eval_output(out, config.overwrite_output_dir, config.model_name_or_path)
     config = with_model_limits(config, fitted_max_length(config))
     tokenizer = load_tokenizer(config)
     with config.main_process_first(desc="tokenizing"):
@@ -249,9 +249,16 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
     return metrics
 
 
-def check_eval_output(out: Path, overwrite: bool) -> None:
-    """sft eval writes beside a run (or anywhere new); it replaces its own earlier results only with overwrite."""
+def check_eval_output(out: Path, overwrite: bool, model: str | None) -> None:
+    """sft eval writes beside a run (or anywhere new); it replaces its own earlier results only with overwrite. Into a
+    run's folder it writes only the results of that run's model (or one of its checkpoints): a recipe's base model
+    evaluated there would pass for the trained run's results, or replace them."""
     rundir.check_writable(out)
+    evaluated = Path(model).expanduser().resolve() if model else None
+    if rundir.is_run(out) and not (evaluated and (evaluated == out.resolve() or out.resolve() in evaluated.parents)):
+        raise SFTError(f"output_dir {out} holds an sft run, and sft eval would write the results of {model} there, "
+                       f"not of the model trained in it. Evaluate the run with --model_name_or_path {out}, or write "
+                       "these results to --output_dir NEW_DIR.")
     present = [name for name in EVAL_FILES if (out / name).exists()]
     foreign = [name for name in present if name in rundir.foreign_entries(out)]
     if foreign:
