@@ -363,6 +363,18 @@ def test_a_sharded_run_without_a_launcher_is_refused_before_loading(plain_proces
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
+def test_a_sharded_eval_without_a_launcher_is_refused_naming_torchrun(plain_process, tiny_model_dir, tmp_path,
+                                                                        capsys):
+    """sft eval of a ZeRO-3 recipe as one plain process died in from_pretrained (DeepSpeed looking for MPI)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": str(tiny_model_dir), "dataset": "no-such-data.json",
+                                      "output_dir": str(tmp_path / "out")}))
+    assert main(["eval", str(recipe), "--distributed", "zero3"]) == 2
+    err = capsys.readouterr().err
+    assert "Run `torchrun --nproc_per_node N -m sft eval RECIPE`." in err and "sft launch" not in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("variable", LAUNCHER_ENV)
 def test_a_sharded_run_under_a_launcher_or_a_ddp_run_goes_ahead(plain_process, monkeypatch, variable):
     check_launcher(load_recipe({"distributed": "ddp"}))  # one plain process is plain training

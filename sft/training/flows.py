@@ -230,6 +230,7 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
     """Teacher-forced loss and perplexity on the recipe's eval set, plus generation metrics and predictions.jsonl
     with predict_with_generate; writes eval_results.json to output_dir, replacing an earlier one only when asked."""
     out = Path(config.output_dir)
+    check_launcher(config, "eval")
     check_eval_output(out, config.overwrite_output_dir, config.model_name_or_path)
     config = with_model_limits(config, fitted_max_length(config))
     tokenizer = load_tokenizer(config)

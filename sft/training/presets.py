@@ -202,17 +202,18 @@ def warn_half_precision_masters(model: Any, config: SFTConfig) -> None:
                     config.learning_rate)
 
 
-def check_launcher(config: SFTConfig) -> None:
+def check_launcher(config: SFTConfig, verb: str = "train") -> None:
     """A sharded run needs the processes a launcher starts. As one plain process the Trainer fails only after the
     data is tokenized and the model loaded: FSDP with "only works in distributed training", DeepSpeed looking for
-    MPI. One process under a launcher is fine (one GPU with fsdp_offload / zero3_offload)."""
+    MPI. One process under a launcher is fine (one GPU with fsdp_offload / zero3_offload). `sft launch` runs
+    `sft train` only, so `sft eval` is pointed at torchrun."""
     if not shards(config) or any(name in os.environ for name in LAUNCHER_ENV):
         return
     what = (f"distributed: {config.distributed}" if config.distributed in (*FSDP_PRESETS, *DEEPSPEED_CONFIGS)
             else "fsdp" if config.fsdp else "deepspeed")
+    launch = "`sft launch RECIPE --num_processes N` (N GPUs; 1 on one GPU) or " if verb == "train" else ""
     raise SFTError(f"{what} shards the run over processes that a launcher starts, and this is one plain process. "
-                   "Run `sft launch RECIPE --num_processes N` (N GPUs; 1 on one GPU) or `torchrun --nproc_per_node N "
-                   "-m sft train RECIPE`.")
+                   f"Run {launch}`torchrun --nproc_per_node N -m sft {verb} RECIPE`.")
 
 
 def prepare_final_save(trainer: Trainer) -> None:
