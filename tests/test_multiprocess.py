@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -166,23 +167,42 @@ def test_fsdp_preset_wraps_each_decoder_layer_on_gpu(recipe, tmp_path):
     assert model.model.layers[0].mlp.down_proj.weight.shape == (32, 64)
 
 
+def run_ranks(args: list, nproc: int) -> list[int]:
+    """Start `nproc` processes of `args` with the environment torchrun gives its ranks and return each one's exit
+    code (under torchrun, the agent ends the other ranks once one exits non-zero, hiding theirs)."""
+    from test_signals_multiprocess import free_port
+
+    port, procs = free_port(), []
+    for rank in range(nproc):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, *map(str, args)], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+    return [proc.wait(timeout=300) for proc in procs]
+
+
 def test_ranks_that_exit_right_after_their_last_collective_finish_cleanly(tmp_path):
     """ZeRO-3's fast ranks go from the final save's all-gathers straight to interpreter exit while rank 0 still
     writes; a gloo thread finishing a work then can abort the rank (SIGABRT) and the launcher fails the whole job.
-    sft's commands end with every rank waiting for the last one (a barrier): no rank leaves before all are done,
-    which fails without the barrier. The negative control shows the replay reproduces the abort without sft's
-    ending (7 of 12 launches aborted here)."""
+    sft's commands end with every rank waiting for the last one (a barrier), after success and after a stop all ranks
+    agreed on (a signal's: CI saw rank 1 of the 2-process SIGTERM test abort so): no rank leaves before all are
+    done, which fails without the barrier. The negative control shows the replay reproduces the abort without sft's
+    ending (about half the launches abort, on an idle machine too; up to 20 are tried)."""
     aborted = 0
-    for _ in range(10):
+    for _ in range(20):
         result = launch([EXIT_PROBE, "skip", tmp_path], nproc=3)
         aborted += "SIGABRT" in result.stderr + result.stdout
         if aborted:
             break
     assert aborted, "the replay no longer reproduces the abort: it cannot show the fix works"
-    for _ in range(3):
+    for mode in ["sft", "sft", "stopped", "stopped"]:  # success, or a stop every rank agreed on (exit 143)
         for stamp in tmp_path.glob("rank*.json"):
             stamp.unlink()
-        result = launch([EXIT_PROBE, "sft", tmp_path], nproc=3)
-        assert result.returncode == 0, f"{result.command}\n{result.stderr[-6000:]}"
+        if mode == "sft":
+            result = launch([EXIT_PROBE, mode, tmp_path], nproc=3)
+            assert result.returncode == 0, f"{result.command}\n{result.stderr[-6000:]}"
+        else:  # each rank's own exit code: torchrun's agent would end the others once one exits non-zero
+            assert run_ranks([EXIT_PROBE, mode, tmp_path], nproc=3) == [128 + signal.SIGTERM] * 3
         stamps = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
         assert min(s["left"] for s in stamps) >= max(s["done"] for s in stamps)  # no rank left before all were done

@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         train(load_recipe(values, flags=flags))
         end_distributed()
     except SFTError as err:
+        if err.every_rank:  # a stop all ranks agreed on (a signal, divergence): they leave together as on success
+            end_distributed()
         if debug:
             raise
         print(f"train_alpaca: error: {err}", file=sys.stderr)

@@ -40,7 +40,8 @@ def end_distributed() -> None:
     still writes the checkpoint) can abort (SIGABRT, "terminate called without an active exception") when a gloo
     worker thread releases a finished work's tensor while the interpreter finalizes; the launcher then reports the
     whole job failed. Waiting in a barrier releases the GIL until every rank is done, so those threads finish first
-    (tests/exit_probe.py). Only on success: after an error other ranks may never reach the barrier."""
+    (tests/exit_probe.py). On success, and after a stop every rank agreed on (SFTError.every_rank: a signal, a
+    diverged step): after another error other ranks may never reach the barrier."""
     if "torch" not in sys.modules:  # nothing distributed ran (sft --help, sft plan without torch.distributed)
         return
     import torch.distributed as dist
