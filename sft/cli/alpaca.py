@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         train(load_recipe(values, flags=flags))
         end_distributed()
     except SFTError as err:
-        if err.every_rank:  # a stop all ranks agreed on (a signal, divergence): they leave together as on success
-            end_distributed()
+        end_distributed(err)  # after a stop all ranks agreed on (a signal, divergence), as on success
         if debug:
             raise
         print(f"train_alpaca: error: {err}", file=sys.stderr)

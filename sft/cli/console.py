@@ -5,6 +5,8 @@ import logging
 import os
 import sys
 
+from sft.errors import SFTError
+
 
 def setup_logging() -> None:
     """Readable INFO logs from sft and transformers' Trainer."""
@@ -34,14 +36,16 @@ def recipe_keys_help() -> str:
     return "recipe keys:" + text.split("options:", 1)[-1]
 
 
-def end_distributed() -> None:
+def end_distributed(error: SFTError | None = None) -> None:
     """Let the ranks leave together, then close the process group a launcher (torchrun, accelerate, deepspeed)
     opened. A rank that reaches interpreter exit right after its last collective (ZeRO-3's fast ranks while rank 0
     still writes the checkpoint) can abort (SIGABRT, "terminate called without an active exception") when a gloo
     worker thread releases a finished work's tensor while the interpreter finalizes; the launcher then reports the
     whole job failed. Waiting in a barrier releases the GIL until every rank is done, so those threads finish first
-    (tests/exit_probe.py). On success, and after a stop every rank agreed on (SFTError.every_rank: a signal, a
-    diverged step): after another error other ranks may never reach the barrier."""
+    (tests/exit_probe.py). On success (no `error`), and after a stop every rank agreed on (SFTError.every_rank: a
+    signal, a diverged step): after another error other ranks may never reach the barrier."""
+    if error is not None and not error.every_rank:
+        return
     if "torch" not in sys.modules:  # nothing distributed ran (sft --help, sft plan without torch.distributed)
         return
     import torch.distributed as dist

@@ -134,7 +134,7 @@ def _wants_training(raw: dict, label: str, ctx: Row) -> bool:
 
 
 def _tool_call(raw: Any, label: str, ctx: Row) -> dict:
-    """An OpenAI-shaped tool call {type, function: {name, arguments}, id?}; JSON-string arguments are parsed."""
+    """An OpenAI-shaped tool call {type, function: {name, arguments}, id?}, its arguments as given (_arguments)."""
     fn = raw.get("function", raw) if isinstance(raw, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise ctx.error("a tool call needs a function name ({\"function\": {\"name\": ..., \"arguments\": ...}})",
