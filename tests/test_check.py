@@ -54,7 +54,7 @@ def test_a_misspelt_metric_for_best_model_fails_check_before_the_smoke_run(capsy
 
 @pytest.mark.parametrize("name, code", [("score", 0), ("scores", 2)])
 def test_check_runs_a_user_metric_to_check_metric_for_best_model(tmp_path, monkeypatch, capsys, name, code):
-    # sft train cannot know a user function's keys before it runs; sft check's evaluation runs it
+    # sft check refuses a key the user function does not report (its trial call, then its smoke evaluation)
     (tmp_path / "usermetrics_best.py").write_text("def score(predictions, references):\n    return {'score': 1.0}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     flags = ["--predict_with_generate", "true", "--max_new_tokens", "2", "--metrics", "usermetrics_best:score",

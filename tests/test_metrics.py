@@ -5,10 +5,12 @@ import re
 from collections import Counter
 
 import pytest
+from conftest import REPO
 
 from sft import SFTError
 from sft.evaluation.metrics import (
     bleu,
+    TRIAL,
     check_best_metric,
     compute_metrics,
     eval_keys,
@@ -124,7 +126,6 @@ def test_eval_keys_are_the_loss_speed_and_builtin_metric_keys():
     assert eval_keys(None, True) == ["loss", "exact_match", "rouge1", "rouge2", "rougeL", "bleu", *speed]
     assert eval_keys(["rouge"], True) == ["loss", "rouge1", "rouge2", "rougeL", *speed]
     assert eval_keys(["rouge"], False) == ["loss", *speed]  # no generation, no generation metrics
-    assert eval_keys(["exact_match", "my_metrics:score"], True) is None  # known once the function runs
     # the keys the built-ins really return
     assert set(eval_keys(None, True)) >= set(compute_metrics(resolve_metrics(None), ["a b"], ["a b"]))
 
@@ -142,3 +143,59 @@ def test_metric_for_best_model_takes_reported_keys_with_or_without_eval_prefix()
         check_best_metric(name, eval_keys(["rouge"], True), generates=True)
     with pytest.raises(SFTError, match="need predict_with_generate: true"):
         check_best_metric("rougeL", eval_keys(["rouge"], False), generates=False)
+
+
+def test_a_user_functions_keys_are_those_of_a_trial_call(tmp_path, monkeypatch):
+    (tmp_path / "trial_metrics.py").write_text(
+        "CALLS = []\n"
+        "def score(predictions, references):\n"
+        "    CALLS.append((predictions, references))\n"
+        "    return {'overlap': 1.0, 'length': 2}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    speed = ["runtime", "samples_per_second", "steps_per_second"]
+    assert eval_keys(["exact_match", "trial_metrics:score"], True) == ["loss", "exact_match", "overlap", "length",
+                                                                       *speed]
+    import trial_metrics
+
+    assert trial_metrics.CALLS == [TRIAL]
+    assert eval_keys(["trial_metrics:score"], False) == ["loss", *speed]  # no generation: not called
+    assert len(trial_metrics.CALLS) == 1
+
+
+@pytest.mark.parametrize("module, body, message", [
+    ("best_keys", "return {'score': 1.0}",
+     "'scores' is not a metric evaluation reports (loss, score, runtime, samples_per_second, steps_per_second). "
+     "Did you mean `score`?"),
+    ("best_raises", "return {'scores': 1 / 0}",
+     "Metric `best_raises:score` failed on a trial call before training, with predictions=['The capital of France "
+     "is Paris.'] and references=['The capital of France is Paris.']: ZeroDivisionError: division by zero"),
+    ("best_not_dict", "return 0.5", "returned float; it must return a dict of metric names to numbers")])
+def test_sft_train_checks_metric_for_best_model_against_a_user_function_before_loading(
+        tmp_path, monkeypatch, capsys, module, body, message):
+    # the Trainer looks metric_for_best_model up after the first evaluation: a KeyError there, steps of work lost
+    from sft.cli.main import main
+
+    (tmp_path / f"{module}.py").write_text(f"def score(predictions, references):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    flags = ["--predict_with_generate", "true", "--metrics", f"{module}:score", "--metric_for_best_model", "scores",
+             "--eval_strategy", "steps", "--eval_steps", "2", "--save_strategy", "steps", "--save_steps", "2",
+             "--load_best_model_at_end", "true", "--output_dir", str(out)]
+    assert main(["train", "recipes/quickstart.yaml", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists()  # refused before any work
+
+
+def test_a_user_function_reporting_metric_for_best_model_passes_the_check(tmp_path, monkeypatch):
+    from sft.training.flows import check_before_loading
+    from sft.training.recipe import load_recipe
+
+    (tmp_path / "best_ok.py").write_text("def score(predictions, references):\n    return {'scores': 1.0}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(REPO)
+    config = load_recipe("recipes/quickstart.yaml", flags=[
+        "--predict_with_generate", "true", "--metrics", "best_ok:score", "--metric_for_best_model", "eval_scores",
+        "--output_dir", str(tmp_path / "run")])
+    assert check_before_loading(config, None).metric_for_best_model == "eval_scores"

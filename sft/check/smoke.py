@@ -78,8 +78,8 @@ def check_recipe(path: str, flags: list[str] | None = None) -> CheckReport:
 
         run_dir = train(load_recipe(values))
         report.metrics = _final_metrics(run_dir)
-    # sft train checks metric_for_best_model before loading unless a user metric function reports keys known only
-    # once it runs: the smoke's final evaluation ran it
+    # sft train checked metric_for_best_model against a user metric function's keys on a trial call; the smoke's
+    # evaluation ran it on real predictions, whose keys may differ
     reported = [key.removeprefix("eval_") for key in report.metrics if key.startswith("eval_")]
     if reported:
         check_best_metric(config.metric_for_best_model, reported, config.predict_with_generate)

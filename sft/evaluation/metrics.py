@@ -76,13 +76,30 @@ def resolve_metric(name: str) -> MetricFn:
     return function
 
 
-def eval_keys(names: list[str] | None, generates: bool) -> list[str] | None:
+def eval_keys(names: list[str] | None, generates: bool) -> list[str]:
     """The keys an evaluation reports, without the eval_ prefix: the loss and speed figures, plus the generation
-    metrics' with predict_with_generate; None when a user function is among them (its keys are known once it runs)."""
+    metrics' with predict_with_generate. A user function's keys are those of one trial call (trial_keys)."""
     names = (DEFAULT_METRICS if names is None else names) if generates else []
-    if any(name not in BUILTIN_KEYS for name in names):
-        return None
-    return [EVAL_KEYS[0], *(key for name in names for key in BUILTIN_KEYS[name]), *EVAL_KEYS[1:]]
+    metric_keys = [key for name in names for key in BUILTIN_KEYS.get(name) or trial_keys(name)]
+    return [EVAL_KEYS[0], *metric_keys, *EVAL_KEYS[1:]]
+
+
+# What a user function is called with once before training, so that its keys (and that it runs) are known then:
+# a metric_for_best_model it does not report fails only at the first evaluation, with the Trainer's KeyError.
+TRIAL = (["The capital of France is Paris."], ["The capital of France is Paris."])
+
+
+def trial_keys(name: str) -> list[str]:
+    """The keys the user function `name` reports, from one call on TRIAL (predictions, references)."""
+    function = resolve_metric(name)
+    try:
+        return list(compute_metrics([function], *TRIAL))
+    except SFTError:
+        raise
+    except Exception as err:  # the user's code: any error it raises is theirs to fix
+        raise SFTError(f"Metric `{name}` failed on a trial call before training, with predictions={TRIAL[0]} and "
+                       f"references={TRIAL[1]}: {type(err).__name__}: {err}. sft calls it after each evaluation "
+                       "with two lists of strings of the same length; it must return a dict of numbers.") from None
 
 
 def check_best_metric(name: str | None, reported: list[str], generates: bool) -> None:

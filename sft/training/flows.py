@@ -124,8 +124,8 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     check_adapter_training(config)
     if config.predict_with_generate:
         resolve_metrics(config.metrics)  # a misspelt metric fails now, not after the model has loaded
-    reported = eval_keys(config.metrics, config.predict_with_generate)
-    if reported is not None:  # a user metric function's keys are known once it runs: sft check runs it
+    if config.metric_for_best_model is not None:  # eval_keys calls a user metric function once to learn its keys
+        reported = eval_keys(config.metrics, config.predict_with_generate)
         check_best_metric(config.metric_for_best_model, reported, config.predict_with_generate)
     config = with_model_limits(config, fitted_max_length(config))
     out = Path(config.output_dir)
