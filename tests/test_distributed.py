@@ -12,7 +12,7 @@ from sft.cli.main import main
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.families import family
-from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, LAUNCHER_ENV, PRESETS, check_launcher
+from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, LAUNCHER_ENV, PRESETS, check_launcher, check_slurm_tasks
 from sft.training.recipe import FIELDS, load_recipe, resolved_recipe
 
 from conftest import REPO
@@ -343,7 +343,7 @@ def test_a_finished_command_closes_the_process_group_a_failed_one_leaves_it(monk
 @pytest.fixture
 def plain_process(monkeypatch):
     """No launcher's variables, as in a shell that runs `sft train` itself."""
-    for name in LAUNCHER_ENV:
+    for name in (*LAUNCHER_ENV, "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -373,6 +373,31 @@ def test_a_sharded_eval_without_a_launcher_is_refused_naming_torchrun(plain_proc
     err = capsys.readouterr().err
     assert "Run `torchrun --nproc_per_node N -m sft eval RECIPE`." in err and "sft launch" not in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("verb", ["train", "eval"])
+def test_srun_tasks_that_are_not_one_run_are_refused_before_loading(plain_process, tiny_model_dir, tmp_path,
+                                                                     capsys, monkeypatch, verb):
+    """`srun -n 2 sft train`: srun connects nothing, so each task trained alone into the same output_dir."""
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": str(tiny_model_dir), "dataset": "no-such-data.json",
+                                      "output_dir": str(tmp_path / "out")}))
+    assert main([verb, str(recipe)]) == 2  # before the (missing) data is read
+    err = capsys.readouterr().err
+    assert "srun started 2 tasks (SLURM_STEP_NUM_TASKS=2), and each is a separate 1-process run" in err
+    assert f"--rdzv_endpoint HEAD_NODE:29500 -m sft {verb} RECIPE`" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_srun_tasks_that_are_the_runs_processes_go_ahead(monkeypatch):
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    check_slurm_tasks(2)  # DeepSpeed's MPI discovery: one process per task
+    check_slurm_tasks(16)  # srun --ntasks-per-node 1 torchrun --nproc_per_node 8 on 2 nodes
+    with pytest.raises(SFTError, match="separate 1-process run"):
+        check_slurm_tasks(1)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # srun -n 1, or the batch script itself
+    check_slurm_tasks(1)
 
 
 @pytest.mark.parametrize("variable", LAUNCHER_ENV)

@@ -206,7 +206,8 @@ def check_launcher(config: SFTConfig, verb: str = "train") -> None:
     """A sharded run needs the processes a launcher starts. As one plain process the Trainer fails only after the
     data is tokenized and the model loaded: FSDP with "only works in distributed training", DeepSpeed looking for
     MPI. One process under a launcher is fine (one GPU with fsdp_offload / zero3_offload). `sft launch` runs
-    `sft train` only, so `sft eval` is pointed at torchrun."""
+    `sft train` only, so `sft eval` is pointed at torchrun. SLURM tasks must be the run's processes (check_slurm_tasks)."""
+    check_slurm_tasks(config.world_size, verb)
     if not shards(config) or any(name in os.environ for name in LAUNCHER_ENV):
         return
     what = (f"distributed: {config.distributed}" if config.distributed in (*FSDP_PRESETS, *DEEPSPEED_CONFIGS)
@@ -214,6 +215,21 @@ def check_launcher(config: SFTConfig, verb: str = "train") -> None:
     launch = "`sft launch RECIPE --num_processes N` (N GPUs; 1 on one GPU) or " if verb == "train" else ""
     raise SFTError(f"{what} shards the run over processes that a launcher starts, and this is one plain process. "
                    f"Run {launch}`torchrun --nproc_per_node N -m sft {verb} RECIPE`.")
+
+
+def check_slurm_tasks(world_size: int, verb: str = "train") -> None:
+    """srun starts each of its tasks as a plain process and sets up no torch.distributed: N tasks of `sft train` are N
+    one-process runs training the same model into the same output_dir. The tasks are one run only when the processes
+    the run sees (world_size: torchrun inside srun, or DeepSpeed's MPI discovery) are at least as many."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
+    if tasks <= world_size:
+        return
+    raise SFTError(f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS={tasks}), and each is a separate {world_size}-"
+                   f"process run: srun does not connect them, so they would all write {verb} results to the same "
+                   "output_dir. Run one task per node that starts the processes: `srun --ntasks-per-node 1 torchrun "
+                   "--nnodes $SLURM_NNODES --nproc_per_node GPUS_PER_NODE --rdzv_backend c10d --rdzv_endpoint "
+                   f"HEAD_NODE:29500 -m sft {verb} RECIPE` (HEAD_NODE: the first of `scontrol show hostnames "
+                   "$SLURM_JOB_NODELIST`), or `srun --ntasks 1` for one process.")
 
 
 def prepare_final_save(trainer: Trainer) -> None:
