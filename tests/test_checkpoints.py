@@ -1,6 +1,8 @@
 """Atomic checkpoints and clean interruption."""
 
+import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -11,7 +13,8 @@ from transformers import TrainerCallback
 
 from sft import SFTConfig, SFTTrainer, rundir
 from sft.cli.main import main
-from sft.training.checkpoints import is_resumable
+from sft.errors import SFTError
+from sft.training.checkpoints import BATCH_KEY, check_same_batch, is_resumable
 
 from conftest import REPO, make_llama
 
@@ -26,8 +29,9 @@ def toy_data(n: int = 32) -> datasets.Dataset:
 
 
 def make_trainer(tokenizer, out, **overrides) -> SFTTrainer:
-    args = SFTConfig(output_dir=str(out), per_device_train_batch_size=4, max_steps=6, save_strategy="steps",
-                     save_steps=2, learning_rate=1e-3, report_to="none", seed=0, **overrides)
+    args = SFTConfig(**{"output_dir": str(out), "per_device_train_batch_size": 4, "max_steps": 6,
+                        "save_strategy": "steps", "save_steps": 2, "learning_rate": 1e-3, "report_to": "none",
+                        "seed": 0, **overrides})
     return SFTTrainer(model=make_llama(len(tokenizer)), args=args, processing_class=tokenizer, train_dataset=toy_data())
 
 
@@ -136,3 +140,62 @@ def test_resume_true_needs_optimizer_state_in_the_newest_checkpoint(tmp_path, ti
     rundir.claim(out)  # an earlier sft run's folder
     err = resume_error(tmp_path, tiny_model_dir, capsys, Path("true"), out)
     assert f"{out / 'checkpoint-4'} holds no optimizer state" in err
+
+
+@pytest.fixture(scope="module")
+def checkpoint_of_4_rows(tmp_path_factory, tokenizer) -> Path:
+    """checkpoint-2 of a run at 4 rows per optimizer step (micro-batch 4, no accumulation, one process)."""
+    out = tmp_path_factory.mktemp("run")
+    trainer = make_trainer(tokenizer, out)
+    trainer.args.max_steps = 2
+    trainer.train()
+    return out / "checkpoint-2"
+
+
+def test_a_checkpoint_records_the_rows_per_optimizer_step(checkpoint_of_4_rows):
+    state = json.loads((checkpoint_of_4_rows / "trainer_state.json").read_text())
+    assert state["stateful_callbacks"][BATCH_KEY] == {
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "processes": 1}
+
+
+@pytest.mark.parametrize("micro, accumulation", [(4, 1), (2, 2), (1, 4)])
+def test_a_resume_at_the_same_rows_per_step_goes_ahead(checkpoint_of_4_rows, tmp_path, micro, accumulation):
+    check_same_batch(checkpoint_of_4_rows, SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=micro,
+                                                     gradient_accumulation_steps=accumulation))
+
+
+@pytest.mark.parametrize("micro, accumulation, fix", [
+    (2, 1, "Resume with --gradient_accumulation_steps 2 to take 4 rows a step"),
+    (4, 2, "Resume with --gradient_accumulation_steps 1 to take 4 rows a step"),
+    (3, 1, "Resume with per_device_train_batch_size, gradient_accumulation_steps and the process count to take 4")])
+def test_a_resume_at_other_rows_per_step_is_refused(checkpoint_of_4_rows, tmp_path, micro, accumulation, fix):
+    # the Trainer skips already-trained rows by counting steps at the new size: some trained twice or never
+    config = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=micro,
+                       gradient_accumulation_steps=accumulation)
+    with pytest.raises(SFTError) as error:
+        check_same_batch(checkpoint_of_4_rows, config)
+    assert (f"was trained on 4 rows per optimizer step (per_device_train_batch_size 4 x gradient_accumulation_steps 1 "
+            f"x processes 1), and this run takes {micro * accumulation} ") in str(error.value)
+    assert fix in str(error.value)
+
+
+def test_sft_train_refuses_a_resume_at_other_rows_per_step_before_loading(checkpoint_of_4_rows, tmp_path,
+                                                                          tiny_model_dir, capsys):
+    err = resume_error(tmp_path, tiny_model_dir, capsys, checkpoint_of_4_rows, tmp_path / "new")
+    assert "this run takes 8 (per_device_train_batch_size 8 x gradient_accumulation_steps 1 x processes 1)" in err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("micro, accumulation, exact", [(2, 2, True), (8, 1, False)])
+def test_only_a_resume_at_the_same_rows_per_step_equals_the_uninterrupted_run(tmp_path, tokenizer, micro,
+                                                                              accumulation, exact):
+    """Why the rule: at 4 rows a step split another way the resumed run ends where the uninterrupted one does; at 8
+    it skips the wrong rows (the Trainer's own resume, which check_same_batch stops sft train from reaching)."""
+    reference = make_trainer(tokenizer, tmp_path / "reference")
+    reference.train()
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "reference" / "checkpoint-2", out / "checkpoint-2")
+    resumed = make_trainer(tokenizer, out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    gap = max((a - b).abs().max().item() for a, b in zip(reference.model.parameters(), resumed.model.parameters()))
+    assert (gap < 1e-6) == exact, gap

@@ -12,7 +12,14 @@ from sft.cli.main import main
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.families import family
-from sft.training.presets import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS, LAUNCHER_ENV, PRESETS, check_launcher, check_slurm_tasks
+from sft.training.presets import (
+    ACCELERATE_CONFIGS,
+    DEEPSPEED_CONFIGS,
+    LAUNCHER_ENV,
+    PRESETS,
+    check_launcher,
+    check_slurm_tasks,
+)
 from sft.training.recipe import FIELDS, load_recipe, resolved_recipe
 
 from conftest import REPO

@@ -5,12 +5,11 @@ import re
 from collections import Counter
 
 import pytest
-from conftest import REPO
 
 from sft import SFTError
 from sft.evaluation.metrics import (
-    bleu,
     TRIAL,
+    bleu,
     check_best_metric,
     compute_metrics,
     eval_keys,
@@ -18,6 +17,8 @@ from sft.evaluation.metrics import (
     resolve_metrics,
     rouge,
 )
+
+from conftest import REPO
 
 
 def words(text: str) -> list[str]:

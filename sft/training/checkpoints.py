@@ -8,6 +8,7 @@ picks as the latest, and save_total_limit may already have deleted the previous 
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 from collections.abc import Iterator
@@ -17,8 +18,11 @@ from accelerate import Accelerator
 from transformers import TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from sft.errors import SFTError
+
 log = logging.getLogger(__name__)
 STAGING_PREFIX = ".staging-"
+BATCH_KEY = "sft_batch"  # in TrainerState.stateful_callbacks, which every checkpoint saves (see batch_shape)
 
 
 def is_resumable(folder: Path) -> bool:
@@ -30,6 +34,37 @@ def is_resumable(folder: Path) -> bool:
         return False
     return any(entry.name.startswith("optimizer") or (entry.is_dir() and entry.name.startswith("global_step"))
                for entry in folder.iterdir())
+
+
+def batch_shape(args: TrainingArguments) -> dict[str, int]:
+    """What one optimizer step takes: micro-batches (per process), accumulated, on every process."""
+    return {"per_device_train_batch_size": args.train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps, "processes": args.world_size}
+
+
+def check_same_batch(folder: Path, args: TrainingArguments) -> None:
+    """A checkpoint resumes exactly only at the rows per optimizer step it was trained with. The Trainer skips the
+    rows already trained by counting steps at the new size: 3 steps of 16 rows resumed at 32 rows a step skip 96
+    rows, 48 of them never trained, and the epoch and learning-rate schedule move with them. Checkpoints from
+    before sft recorded it (no BATCH_KEY) are not checked."""
+    state = json.loads((folder / "trainer_state.json").read_text() or "{}")
+    saved = (state.get("stateful_callbacks") or {}).get(BATCH_KEY)
+    now = batch_shape(args)
+    if not saved or math.prod(saved.values()) == math.prod(now.values()):
+        return
+    saved = {name: saved[name] for name in now}  # trainer_state.json sorts its keys
+    rows, per_step = math.prod(saved.values()), now["per_device_train_batch_size"] * now["processes"]
+    fix = (f"--gradient_accumulation_steps {rows // per_step}" if rows % per_step == 0
+           else "per_device_train_batch_size, gradient_accumulation_steps and the process count")
+    raise SFTError(f"resume_from_checkpoint: {folder} was trained on {rows} rows per optimizer step "
+                   f"({_shape(saved)}), and this run takes {math.prod(now.values())} ({_shape(now)}). The Trainer "
+                   "would skip the rows already trained by counting steps at the new size, so some would be "
+                   f"trained twice or never. Resume with {fix} to take {rows} rows a step, or start a new run "
+                   f"from its weights with --model_name_or_path {folder}.")
+
+
+def _shape(shape: dict[str, int]) -> str:
+    return " x ".join(f"{name} {value}" for name, value in shape.items())
 
 
 def staging_root(run_dir: str | Path, step: int) -> Path:

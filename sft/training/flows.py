@@ -23,7 +23,7 @@ from sft.models.adapters import check_adapter_training
 from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.loading import load_model, load_model_config
 from sft.models.quantization import check_quantization
-from sft.training.checkpoints import is_resumable
+from sft.training.checkpoints import check_same_batch, is_resumable
 from sft.training.presets import check_launcher, prepare_final_save, warn_half_precision_masters
 from sft.training.recipe import save_recipe, with_model_limits
 from sft.training.report import plot_loss, write_model_card
@@ -130,7 +130,7 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     config = with_model_limits(config, fitted_max_length(config))
     out = Path(config.output_dir)
     rundir.check_output_dir(out)
-    check_resume(out, resume)
+    check_resume(out, resume, config)
     if rundir.is_run(out) and not resume and not config.overwrite_output_dir:
         raise SFTError(f"output_dir {out} already holds an sft run. Pass --resume_from_checkpoint true to continue "
                        "it, --overwrite_output_dir true to replace it (only files sft wrote are removed), or choose "
@@ -138,9 +138,9 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     return config
 
 
-def check_resume(out: Path, resume: str | bool | None) -> None:
+def check_resume(out: Path, resume: str | bool | None, config: SFTConfig) -> None:
     """The checkpoint a resume asks for exists and resumes exactly: a given path, or (true) the newest checkpoint-N
-    folder in output_dir."""
+    folder in output_dir, trained at this run's rows per optimizer step."""
     if isinstance(resume, str) and not Path(resume).expanduser().is_dir():
         raise SFTError(f"resume_from_checkpoint: {resume} does not exist. Give a checkpoint-N folder of a run, or "
                        "true for the newest checkpoint in output_dir.")
@@ -148,7 +148,9 @@ def check_resume(out: Path, resume: str | bool | None) -> None:
         raise SFTError(f"resume_from_checkpoint is true but output_dir {out} holds no checkpoint-N folder. Train "
                        "without --resume_from_checkpoint, or point it at a checkpoint folder.")
     if resume:
-        check_checkpoint(Path(get_last_checkpoint(str(out)) if resume is True else resume).expanduser(), out)
+        folder = Path(get_last_checkpoint(str(out)) if resume is True else resume).expanduser()
+        check_checkpoint(folder, out)
+        check_same_batch(folder, config)
 
 
 def check_checkpoint(folder: Path, out: Path) -> None:

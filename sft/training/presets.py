@@ -206,7 +206,8 @@ def check_launcher(config: SFTConfig, verb: str = "train") -> None:
     """A sharded run needs the processes a launcher starts. As one plain process the Trainer fails only after the
     data is tokenized and the model loaded: FSDP with "only works in distributed training", DeepSpeed looking for
     MPI. One process under a launcher is fine (one GPU with fsdp_offload / zero3_offload). `sft launch` runs
-    `sft train` only, so `sft eval` is pointed at torchrun. SLURM tasks must be the run's processes (check_slurm_tasks)."""
+    `sft train` only, so `sft eval` is pointed at torchrun. SLURM tasks must be the run's processes
+    (check_slurm_tasks)."""
     check_slurm_tasks(config.world_size, verb)
     if not shards(config) or any(name in os.environ for name in LAUNCHER_ENV):
         return

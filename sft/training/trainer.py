@@ -24,7 +24,7 @@ from sft.evaluation.predict import GenerationEval
 from sft.models.compilation import compile_blocks, repeated_blocks, set_activation_memory_budget
 from sft.models.families import flattened_batches
 from sft.training import checkpoints
-from sft.training.checkpoints import CheckpointStaging
+from sft.training.checkpoints import BATCH_KEY, CheckpointStaging, batch_shape
 from sft.training.divergence import DivergenceGuard
 from sft.training.loss import EvalTokenSums, TokenLoss
 from sft.training.neftune import NEFTune
@@ -205,6 +205,7 @@ class SFTMixin:
         """Write checkpoint-N into a staging folder, then rename it into place and rotate old ones."""
         run_dir = super()._get_output_dir(trial)
         self.throughput.save_to(self.state.stateful_callbacks, self._sum_over_processes)
+        self.state.stateful_callbacks[BATCH_KEY] = batch_shape(self.args)  # what a resume must match
         with self.checkpoint_staging.writing(run_dir, self.state.global_step):
             super()._save_checkpoint(model, trial)
         self.checkpoint_staging.finish(run_dir, self.state, self.args)
@@ -226,9 +227,11 @@ class SFTMixin:
         return grad_norm
 
     def _load_callback_state(self) -> None:
-        """On resume: the trained-token count goes on from the checkpoint's (and is no callback to restore)."""
+        """On resume: the trained-token count goes on from the checkpoint's; it and the batch shape (checked before
+        loading) are no callbacks to restore."""
         self.throughput.resume_from(self.state.stateful_callbacks)
         self.state.stateful_callbacks.pop(STATE_KEY, None)
+        self.state.stateful_callbacks.pop(BATCH_KEY, None)
         super()._load_callback_state()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
