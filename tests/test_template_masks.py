@@ -10,12 +10,14 @@ added, and the stop tokens are those the publisher's generation_config.json decl
 """
 
 import copy
+import re
 from functools import cache
 
 import pytest
 from transformers import AutoTokenizer
 
 from sft.data.chat import ChatRenderer
+from sft.data.chat_templates import message_delimiters
 from sft.data.encode import Encoding
 from sft.errors import SFTError
 
@@ -524,3 +526,27 @@ def test_tool_call_arguments_are_trained_as_the_template_writes_them(name, argum
     serialise a mapping."""
     tok, stops = family_tokenizer(name)
     assert rendered in trained_texts(tok, name, tool_row(arguments), stops)[0]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_each_template_refuses_its_message_boundaries_inside_a_message(name):
+    """The tokens a template writes between messages (found by rendering it), written inside one, are refused by
+    name; the same conversation without them renders."""
+    tok, stops = family_tokenizer(name)
+    delimiters = message_delimiters(tok, tok.chat_template)
+    assert delimiters or name in ("idefics3", "llava_next")  # typed content parts only: nothing to compare
+    assert not set(delimiters) & {"<think>", "</think>", "<tool_call>", "<|python_tag|>"}
+    renderer = ChatRenderer(tok, generation_eos=stops)
+    assert renderer.render_row({"messages": [ASK, FOUR]}, "chat.jsonl", 3)
+    for token in delimiters:
+        row = {"messages": [{"role": "user", "content": f"What does {token} mean?"}, FOUR]}
+        with pytest.raises(SFTError, match=re.escape(f"messages[0]: this user message contains {token!r}")):
+            renderer.render_row(row, "chat.jsonl", 3)
+
+
+@pytest.mark.parametrize("name, token", [("qwen2_5", "<tool_call>"), ("llama3_1", "<|python_tag|>")])
+def test_tokens_data_writes_inside_a_message_are_kept_and_trained(name, token):
+    # Hermes-style tool calls in the content, Llama 3.1 built-in tool calls: tokens, not message boundaries
+    tok, stops = family_tokenizer(name)
+    row = {"messages": [ASK, {"role": "assistant", "content": f"{token}It is 4."}]}
+    assert trained_texts(tok, name, row, stops)[0].startswith(f"{token}It is 4.")

@@ -15,6 +15,7 @@ it is trained there; otherwise (the template renders history differently) the `h
 reasoning or tool calls the template does not render raises SFTError naming the row.
 """
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -25,8 +26,10 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 from sft.config.names import HISTORY, NO_ASSISTANT_TURN
 from sft.data.chat_templates import (
     PRESETS,
+    REASONING_TAGS,
     TEMPLATE_ERRORS,
     resolve_chat_template,
+    message_delimiters,
     stop_tokens,
     tokens_not_in_vocab,
 )
@@ -35,7 +38,7 @@ from sft.data.messages import Message, Row, conversation
 from sft.data.template_inputs import TemplateInputs
 from sft.errors import SFTError
 
-THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written inside the content
+THINK = re.compile(r"\s*{}(.*?){}\s*".format(*REASONING_TAGS), re.S)  # a reasoning block inside the content
 EMPTY_THINK = re.compile(r"<think>\s*</think>")  # what reasoning templates write for a turn without reasoning
 
 log = logging.getLogger(__name__)
@@ -85,6 +88,8 @@ class ChatRenderer:
             _warn_split_tokens(tokenizer, chat_template)
         self.stops = stop_tokens(tokenizer, self.template, generation_eos)
         self._stop = _alternation(self.stops)
+        # what no message may write: it would end the turn or fake a message boundary (see _check_text)
+        self._markup = _alternation([*self.stops, *message_delimiters(tokenizer, self.template)])
         self._inputs = TemplateInputs.probe(self.template, self._compiled, self._variables)
 
     def __getstate__(self) -> dict:
@@ -196,11 +201,6 @@ class ChatRenderer:
 
     def _check_rendered(self, generated: str, message: Message, ctx: Row) -> None:
         """The answer, reasoning and tool calls of the message must all be in what the template renders for it."""
-        written = [stop for stop in self.stops if any(stop in text for text in (message.answer, message.reasoning))]
-        if written:  # the turn's tokens end at the first stop: the rest would be cut, whatever the template
-            raise ctx.error(f"this assistant message contains {written[0]!r}, a token generation stops on, so the "
-                            "turn would end there", f"Remove {written[0]!r} from the message, or write it so that "
-                            "it is not that token (e.g. with a space inside).", message.label)
         dropped = [what for what, text in (("content", message.answer), ("reasoning", message.reasoning))
                    if text.strip() and text.strip() not in generated]
         calls = [c["function"]["name"] for c in message.data.get("tool_calls") or []]
@@ -226,8 +226,25 @@ class ChatRenderer:
         """The row's messages, prepared for this template, and its tool list."""
         messages, tools = conversation(row, ctx)
         for message in messages:
+            self._check_text(message, ctx)
             self._prepare(message)
         return messages, tools
+
+    def _check_text(self, message: Message, ctx: Row) -> None:
+        """A message's text holds no stop token and no token the template writes between messages: the tokenizer
+        would encode it as that token, not as the text the data wrote. A stop token cuts the turn there; a message
+        boundary (<|im_start|>, [INST], <s>) teaches the model to fake one. Other added tokens are kept."""
+        calls = [call["function"]["arguments"] for call in message.data.get("tool_calls") or []]
+        texts = [message.data["content"], message.data.get("reasoning_content") or "",
+                 *(text if isinstance(text, str) else json.dumps(text, ensure_ascii=False) for text in calls)]
+        found = next((match.group() for text in texts if (match := self._markup.search(text))), None)
+        if found is None:
+            return
+        what = ("a token generation stops on, so the turn would end there" if found in self.stops else
+                "a token the chat template writes between messages: it would be encoded as that token, not as the "
+                "text written, and the model would learn to fake a message boundary")
+        raise ctx.error(f"this {message.role} message contains {found!r}, {what}", f"Remove {found!r} from the "
+                        "message, or write it so that it is not that token (e.g. with a space inside).", message.label)
 
     def _prepare(self, message: Message) -> None:
         """Reasoning under the names templates read; a <think> block in the content moves there when the template

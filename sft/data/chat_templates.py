@@ -315,6 +315,7 @@ def tokens_not_in_vocab(tokenizer: PreTrainedTokenizerBase, preset: str) -> list
 # End-of-turn tokens of common templates, recognised even where a tokenizer does not register them as special.
 KNOWN_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>",
                      "<|endoftext|>", "<|end_of_text|>", "<|END_OF_TURN_TOKEN|>")
+REASONING_TAGS = ("<think>", "</think>")  # around a reasoning block; data writes them inside assistant content
 REPLY_MARK = "\x00reply\x00"  # stands in for an assistant reply when looking for what the template writes after it
 
 
@@ -344,6 +345,28 @@ def stop_tokens(tokenizer: PreTrainedTokenizerBase, template: str | None = None,
                 *KNOWN_END_OF_TURN]
     ending = sorted((t for t in specials if after.lstrip().startswith(t)), key=len, reverse=True)
     return tokens + ending[:1]
+
+
+def message_delimiters(tokenizer: PreTrainedTokenizerBase, template: str | None) -> list[str]:
+    """The tokenizer's tokens the template writes to open a conversation and to separate its messages: BOS, role
+    markers and turn ends (<|im_start|> <|im_end|>, <|start_header_id|> <|eot_id|>, <s> [INST] [/INST] </s>).
+    Found in what it writes around the contents of user, assistant, user; tokens it writes only for reasoning or
+    tool calls (<think>, <tool_call>, <|python_tag|>) are not among them: data writes those inside messages."""
+    if not template:
+        return []
+    conversation = [{"role": role, "content": REPLY_MARK} for role in ("user", "assistant", "user")]
+    try:
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False)
+    except TEMPLATE_ERRORS:
+        return []
+    pieces = text.split(REPLY_MARK)
+    if len(pieces) != 4:  # content as typed parts only, or not written once each: nothing to learn here
+        return []
+    tokens = {*tokenizer.all_special_tokens, *(t.content for t in tokenizer.added_tokens_decoder.values())}
+    # BOS is the tokenizer's to add where the template does not write it (Phi-3); GLM and Nemotron write an empty
+    # <think></think> in each earlier assistant turn
+    markup = "".join(pieces[:3]) + (tokenizer.bos_token or "")
+    return sorted(token for token in tokens - set(REASONING_TAGS) if token and token in markup)
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_eos: int | list[int] | None = None,
