@@ -143,9 +143,11 @@ def test_new_token_rows_train_with_the_adapter(tmp_path, grown_model_dir, data_f
     config = recipe(grown_model_dir, data_file, tmp_path)
     model = load_model(config, load_tokenizer(config))
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
-    # Input embedding and (untied) output head each train every row past the old 400: 402 padded to 448.
+    # Input embedding and (untied) output head each train the 2 rows past the old 400, and the tables have exactly
+    # 402 rows (not padded to 448): the rows peft's own loaders give the base.
     assert sorted(n.split(".token_adapter")[0].rsplit(".", 1)[-1] for n in trainable) == ["embed_tokens", "lm_head"]
-    assert all("trainable_tokens_delta" in n and p.shape[0] == 48 for n, p in trainable.items())
+    assert all("trainable_tokens_delta" in n and p.shape[0] == 2 for n, p in trainable.items())
+    assert model.get_input_embeddings().weight.shape[0] == model.get_output_embeddings().weight.shape[0] == 402
 
 
 def test_modules_to_save_and_new_tokens_do_not_clash(tmp_path, grown_model_dir, data_file):

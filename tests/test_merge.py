@@ -75,6 +75,35 @@ def test_merged_logits_equal_adapter_logits(lora_run, tmp_path):
         assert (logits(adapter) - logits(merged)).abs().max() > 1e-3  # and training did change the model
 
 
+def test_an_adapter_with_new_tokens_loads_with_peft_alone(lora_run):
+    """Without sft: peft's AutoPeftModelForCausalLM grows the base to len(tokenizer) rows (no padding), so the run
+    must train on exactly that many; padded to 448 rows, the new-token indices 402-447 were out of range there."""
+    from peft import AutoPeftModelForCausalLM
+
+    model = AutoPeftModelForCausalLM.from_pretrained(str(lora_run)).eval()
+    adapter, tokenizer = load_for_inference(lora_run, device="cpu")
+    assert logits(model).shape[-1] == len(tokenizer) == 402
+    assert torch.equal(logits(model), logits(adapter))
+
+
+def test_an_adapter_saved_with_padded_embeddings_still_loads(tmp_path, tokenizer, monkeypatch):
+    """Runs before sft trained adapters on exactly len(tokenizer) rows padded them to a multiple of 64 (448 here):
+    sft reloads them on the rows their saved embeddings have."""
+    base = tmp_path / "base"
+    make_llama(len(tokenizer)).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    grown = AutoTokenizer.from_pretrained(base)
+    grown.add_special_tokens({"additional_special_tokens": ["<|calc|>", "<|end|>"]})
+    grown.save_pretrained(base)
+    monkeypatch.setattr("sft.models.loading.adapter_embedding_rows", lambda *args: 448)  # the old padded layout
+    run = run_adapter(base, tmp_path / "out", max_steps=1)
+    monkeypatch.undo()
+    adapter, _ = load_for_inference(run, device="cpu")
+    assert logits(adapter).shape[-1] == 448
+    assert main(["merge", str(run), str(tmp_path / "merged")]) == 0
+    assert (logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged")) - logits(adapter)).abs().max() < 1e-4
+
+
 def test_merged_folder_is_plain_transformers(lora_run, tmp_path):
     merged = tmp_path / "merged"
     assert main(["merge", str(lora_run), str(merged), "--dtype", "bfloat16"]) == 0

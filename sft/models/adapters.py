@@ -11,8 +11,9 @@ from peft import (
     get_peft_model,
     prepare_model_for_kbit_training,
 )
+from safetensors import safe_open
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` on every adapter it builds or loads.
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer except the output head
 
 
@@ -64,6 +66,32 @@ def new_token_targets(model: PreTrainedModel, new_rows: range, fully_trained: li
     return {name: list(new_rows) for name in names if name.rsplit(".", 1)[-1] not in fully_trained} or None
 
 
+def adapter_embedding_rows(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                           folder: str | Path | None = None) -> int:
+    """The embedding rows an adapter is trained or loaded on: one per token of `tokenizer` for a new adapter, or
+    as many as the embedding weights saved in the adapter `folder` have (len(tokenizer) when it saved none).
+
+    Not padded to a multiple of 64 as full fine-tunes are: peft's own loaders (AutoPeftModelForCausalLM, or the
+    documented `base.resize_token_embeddings(len(tokenizer))` before PeftModel.from_pretrained) grow the base to
+    len(tokenizer) exactly, and an adapter trained on more rows than that fails to load there (its new-token
+    indices point past the table, its saved embedding shape differs). A saved folder keeps the rows it has, so
+    adapters saved padded still load in sft.
+    """
+    if folder is not None:
+        path = Path(folder) / ADAPTER_WEIGHTS
+        # Every name of the input embedding (T5 shares one as shared, encoder.embed_tokens, decoder.embed_tokens)
+        names = [name for name, module in model.named_modules(remove_duplicate=False)
+                 if module is model.get_input_embeddings()]
+        if names and path.is_file():
+            with safe_open(str(path), framework="pt") as weights:
+                # The embedding saved whole (peft saves it once rows were added): its base layer or modules_to_save
+                shapes = [weights.get_slice(key).get_shape() for key in weights.keys()  # noqa: SIM118 (no __iter__)
+                          if key.endswith(".weight") and any(f".{name}." in f".{key}" for name in names)]
+            if shapes:
+                return max(shape[0] for shape in shapes)
+    return len(tokenizer)
+
+
 def add_adapter(model: PreTrainedModel, config: SFTConfig, new_token_ids: list[int] | None = None) -> PeftModel:
     """Freeze `model` and wrap it in the recipe's trainable LoRA adapter (after k-bit preparation if quantized).
 
@@ -75,7 +103,7 @@ def add_adapter(model: PreTrainedModel, config: SFTConfig, new_token_ids: list[i
     """
     if config.load_in_4bit or config.load_in_8bit:
         prepare_quantized_base(model)
-    # Train every row past the old vocabulary, padding rows too: saved with the adapter, they reload exactly.
+    # Train every row past the old vocabulary (grown to adapter_embedding_rows): saved with the adapter.
     rows = model.get_input_embeddings().num_embeddings  # not weight.shape: (0,) once ZeRO-3 partitions it
     new_rows = range(new_token_ids[0], rows) if new_token_ids else range(0)
     # peft keeps adapter weights (DoRA magnitudes included) in float32 even on a bf16 base; never downcast

@@ -16,6 +16,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.adapters import (
+    adapter_embedding_rows,
     add_adapter,
     base_model_name,
     is_adapter_folder,
@@ -71,7 +72,9 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
                        + (" (sft loads safetensors only; set allow_pickle: true to load .bin weights you trust)"
                           if "safetensors" in str(err) else "")) from None
     model.config.use_cache = False  # a KV cache during training defeats packed-sequence isolation and wastes memory
-    new_ids = fit_embeddings(model, tokenizer)
+    # An adapter grows the embeddings as peft's loaders will (exactly, no padding) or as its saved weights say.
+    rows = adapter_embedding_rows(model, tokenizer, adapter) if adapter or config.use_peft else None
+    new_ids = fit_embeddings(model, tokenizer, rows)
     if adapter:
         return load_trained_adapter(model, adapter, config)
     if config.use_peft:
@@ -95,16 +98,26 @@ def attention(config: SFTConfig) -> str:
     return config.attn_implementation
 
 
-def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Grow embeddings for added tokens (mean-initialised rows, padded to a multiple of 64); returns new ids."""
+def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: int | None = None) -> list[int]:
+    """Grow embeddings for added tokens (mean-initialised rows); returns the new ids.
+
+    Args:
+        model: the loaded model.
+        tokenizer: the run's tokenizer, with any tokens it added.
+        rows: the exact number of rows to grow to (an adapter's, see adapter_embedding_rows); default: the
+            tokenizer's length padded to a multiple of 64.
+    """
     old_rows = model.get_input_embeddings().num_embeddings  # not weight.shape: (0,) once ZeRO-3 partitions it
-    if len(tokenizer) <= old_rows:
+    if max(len(tokenizer), rows or 0) <= old_rows:
         return []
     if len(tokenizer) - old_rows > FOREIGN_TOKENIZER_ROWS:
         log.warning("THE TOKENIZER DOES NOT FIT THE MODEL: it has %d tokens, the model's embeddings %d rows, so %d new "
                     "untrained rows are added. tokenizer_name_or_path is probably from another model family; use the "
                     "model's own tokenizer.", len(tokenizer), old_rows, len(tokenizer) - old_rows)
-    model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=EMBEDDING_MULTIPLE, mean_resizing=True)
+    if rows:
+        model.resize_token_embeddings(rows, mean_resizing=True)
+    else:
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=EMBEDDING_MULTIPLE, mean_resizing=True)
     log.info("Resized embeddings from %d to %d rows for %d new tokens.", old_rows,
              model.get_input_embeddings().num_embeddings, len(tokenizer) - old_rows)
     return list(range(old_rows, len(tokenizer)))

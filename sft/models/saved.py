@@ -16,7 +16,12 @@ from transformers import (
 
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
-from sft.models.adapters import ADAPTER_CONFIG, base_model_name, is_adapter_folder
+from sft.models.adapters import (
+    ADAPTER_CONFIG,
+    adapter_embedding_rows,
+    base_model_name,
+    is_adapter_folder,
+)
 from sft.models.hub import local_files_only
 from sft.models.loading import auto_model_class, fit_embeddings
 from sft.models.quantization import DTYPES, is_quantized, quantization_config
@@ -80,7 +85,7 @@ def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, b
                            "Check the path or Hub id and network access, or pass --base_model with a local copy")
     if dequantize and is_quantized(base):
         base = base.dequantize(dtype=DTYPES.get(dtype))
-    fit_embeddings(base, tokenizer)  # the run grew the vocabulary the same way before training
+    fit_embeddings(base, tokenizer, adapter_embedding_rows(base, tokenizer, folder))  # as the run grew it
     return PeftModel.from_pretrained(base, str(folder))
 
 
