@@ -160,6 +160,16 @@ def test_merge_errors_exit_2_with_a_message(lora_run, tiny_model_dir, tmp_path, 
     assert main(["merge", str(moved), str(tmp_path / "o3")]) == 2
     err = capsys.readouterr().err
     assert "Could not load the model /nowhere/base (the base model named in" in err and "--base_model" in err
+    # --base_model of another size: one line naming a mismatched tensor, exit 2, no traceback
+    other = tmp_path / "other-base"
+    make_llama(402, hidden_size=64).save_pretrained(other)
+    for verb in (["merge", str(lora_run), str(tmp_path / "o4")], ["generate", str(lora_run), "--prompt", "hi"]):
+        assert main([*verb, "--base_model", str(other)]) == 2
+        err = capsys.readouterr().err
+        assert f"The adapter in {lora_run} does not fit the base model {other} (--base_model): size mismatch for" in err
+        assert "Traceback" not in err and len(err.split("sft: error:")[1].strip().splitlines()) == 1
+    assert main(["merge", str(lora_run), str(tmp_path / "o5"), "--base_model", str(tmp_path / "missing")]) == 2
+    assert f"Could not load the model {tmp_path / 'missing'} (--base_model)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("use_peft", [False, True])

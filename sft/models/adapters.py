@@ -215,9 +215,32 @@ def load_trained_adapter(model: PreTrainedModel, folder: str | Path, config: SFT
     """A saved adapter on its loaded base: trainable (to train on) when use_peft, else frozen (to evaluate)."""
     if config.use_peft and (config.load_in_4bit or config.load_in_8bit):
         prepare_quantized_base(model)
-    peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=config.use_peft)
+    peft_model = load_saved_adapter(model, folder, is_trainable=config.use_peft)
     log_trainable_parameters(peft_model)
     return peft_model
+
+
+def load_saved_adapter(model: PreTrainedModel, folder: str | Path, is_trainable: bool = False,
+                       base_origin: str = "") -> PeftModel:
+    """peft's PeftModel.from_pretrained, or an SFTError when the adapter does not fit `model`.
+
+    A base of another architecture or size (a wrong --base_model, or a base folder replaced since training) makes
+    peft raise a ValueError (target modules not found) or a RuntimeError listing every mismatched tensor.
+
+    Args:
+        model: the base model, embeddings already grown for the adapter's tokenizer.
+        folder: the adapter folder.
+        is_trainable: load the adapter trainable (to train it further) rather than frozen.
+        base_origin: where the base's name came from, for the message (e.g. " (--base_model)").
+    """
+    try:
+        return PeftModel.from_pretrained(model, str(folder), is_trainable=is_trainable)
+    except (ValueError, RuntimeError) as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        # load_state_dict's message starts with a header line; its first "size mismatch" line says what differs
+        detail = next((line for line in lines if line.startswith("size mismatch")), lines[0] if lines else repr(err))
+        raise SFTError(f"The adapter in {folder} does not fit the base model {model.name_or_path}{base_origin}: "
+                       f"{detail} Use the base model the adapter was trained on.") from None
 
 
 def log_trainable_parameters(model: PeftModel) -> tuple[int, int]:

@@ -41,7 +41,8 @@ def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = 
     merged.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     rundir.claim(out)
-    log.info("Merged %s into %s and saved it to %s", folder, model.peft_config["default"].base_model_name_or_path, out)
+    # the base actually loaded (--base_model or adapter_config.json's), which peft_config does not record
+    log.info("Merged %s into %s and saved it to %s", folder, merged.name_or_path, out)
     return out
 
 

@@ -21,6 +21,7 @@ from sft.models.adapters import (
     adapter_embedding_rows,
     base_model_name,
     is_adapter_folder,
+    load_saved_adapter,
 )
 from sft.models.hub import local_files_only
 from sft.models.loading import auto_model_class, fit_embeddings
@@ -80,13 +81,14 @@ def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, b
     """The adapter in `folder` on its base model, quantized as in training unless `dequantize`."""
     name = base_model or base_model_name(folder)
     log.info("Loading the base model %s for the adapter in %s", name, folder)
-    origin = f" (the base model named in {folder / ADAPTER_CONFIG})"
-    base = load_pretrained(name, dtype, device, run_quantization(folder), origin,
-                           "Check the path or Hub id and network access, or pass --base_model with a local copy")
+    origin = " (--base_model)" if base_model else f" (the base model named in {folder / ADAPTER_CONFIG})"
+    hint = "Check the path or Hub id and network access" + ("" if base_model else
+                                                             ", or pass --base_model with a local copy")
+    base = load_pretrained(name, dtype, device, run_quantization(folder), origin, hint)
     if dequantize and is_quantized(base):
         base = base.dequantize(dtype=DTYPES.get(dtype))
     fit_embeddings(base, tokenizer, adapter_embedding_rows(base, tokenizer, folder))  # as the run grew it
-    return PeftModel.from_pretrained(base, str(folder))
+    return load_saved_adapter(base, folder, base_origin=origin)
 
 
 def run_quantization(folder: Path) -> dict:
