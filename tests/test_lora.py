@@ -200,3 +200,34 @@ def test_training_on_an_adapter_folder_needs_use_peft_and_trains_that_adapter(tm
     lora = [key for key in before if "lora_" in key]  # (new-token rows the data never uses keep their values)
     assert lora and all(not torch.equal(before[key], after[key]) for key in lora)
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)
+
+
+# A tool-call turn ends <|call|> (generation stops there: generation_config.json lists it), a plain turn <|end|>.
+CALL_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.content.startswith('CALL') %}<|call|>"
+                 "{% endif %}<|end|>{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_an_adapter_folder_as_the_model_masks_with_its_bases_stop_tokens(tmp_path, tiny_model_dir):
+    """`sft eval`/`sft train` with model_name_or_path an adapter run: the chat masks stop where the base's
+    generation_config.json says, as when the run trained. The adapter folder has no generation config of its own:
+    read from it, <|call|> was no stop token and the tool-call answer trained through the <|end|> after it."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|call|>", "<|end|>"]})
+    tokenizer.save_pretrained(base)
+    generation = json.loads((base / "generation_config.json").read_text())
+    call = tokenizer.convert_tokens_to_ids("<|call|>")
+    (base / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, call]}))
+    rows = [{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "CALL weather"},
+                          {"role": "tool", "content": "Sunny"}, {"role": "assistant", "content": "Sunny."}]}] * 4
+    data = write_json(tmp_path / "chat.jsonl", rows, jsonl=True)
+    chat = dict(dataset_format="messages", chat_template=CALL_TEMPLATE, assistant_only_loss=True)
+    run = train(recipe(base, data, tmp_path / "run", max_steps=1, **chat))
+    trained = {}
+    for model in (base, run):
+        dataset, _ = build_datasets(recipe(model, data, tmp_path / "data", **chat))
+        ids, labels = dataset[0]["input_ids"], dataset[0]["labels"]
+        trained[model] = tokenizer.decode([i for i, label in zip(ids, labels) if label != -100])
+    assert trained[base] == "CALL weather<|call|>Sunny.<|end|>"  # the two answers, each through its stop token
+    assert trained[run] == trained[base]
