@@ -161,7 +161,13 @@ def test_modules_to_save_and_new_tokens_do_not_clash(tmp_path, grown_model_dir, 
 @pytest.mark.parametrize("keys, message", [
     (dict(load_in_4bit=True, load_in_8bit=True), "choose one"),
     (dict(load_in_4bit=True, use_peft=False), "use_peft: true"),
-    (dict(lora_target_modules=["qkv_proj"]), "Check lora_target_modules"),
+    (dict(lora_target_modules=["qkv_proj"]), "lora_target_modules: qkv_proj matches no module of the model"),
+    (dict(lora_target_modules=["mlp"]), "Check lora_target_modules"),  # a module peft cannot adapt
+    # a typo beside a valid name, or in modules_to_save: peft alone would silently train less than asked
+    (dict(lora_target_modules=["q_proj", "v_prj"]), r"lora_target_modules: v_prj matches no module of the model\. "
+                                                    r"Did you mean v_proj\?"),
+    (dict(lora_modules_to_save=["lm_heads"]), r"lora_modules_to_save: lm_heads matches no module of the model\. "
+                                              r"Did you mean lm_head\?"),
 ])
 def test_invalid_quantization_or_targets_are_refused(tmp_path, tiny_model_dir, data_file, keys, message):
     with pytest.raises(SFTError, match=message):

@@ -1,5 +1,6 @@
 """LoRA / DoRA / rsLoRA adapters from a recipe (peft), and the preparation a quantized base needs (QLoRA)."""
 
+import difflib
 import logging
 import warnings
 from pathlib import Path
@@ -106,6 +107,7 @@ def add_adapter(model: PreTrainedModel, config: SFTConfig, new_token_ids: list[i
     # Train every row past the old vocabulary (grown to adapter_embedding_rows): saved with the adapter.
     rows = model.get_input_embeddings().num_embeddings  # not weight.shape: (0,) once ZeRO-3 partitions it
     new_rows = range(new_token_ids[0], rows) if new_token_ids else range(0)
+    check_module_names(model, config)
     # peft keeps adapter weights (DoRA magnitudes included) in float32 even on a bf16 base; never downcast
     # them: bf16 rounds the small updates of DoRA magnitudes to zero and silently freezes them.
     try:
@@ -118,6 +120,30 @@ def add_adapter(model: PreTrainedModel, config: SFTConfig, new_token_ids: list[i
         peft_model.peft_config["default"].base_model_name_or_path = str(Path(model.name_or_path).resolve())
     log_trainable_parameters(peft_model)
     return peft_model
+
+
+def check_module_names(model: PreTrainedModel, config: SFTConfig) -> None:
+    """Refuse a lora_target_modules or lora_modules_to_save name that matches no module of the model.
+
+    peft refuses target names only when none of them matches, and modules_to_save names never: a typo beside a
+    valid name ([q_proj, v_prj]) or in modules_to_save ([lm_heads]) would silently train less than asked. Names
+    match as peft matches them: a target is a module's full name or its last dotted part(s), a module to save
+    any end of a module's name.
+    """
+    names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    targets = target_modules(config.lora_target_modules)
+    checks = (("lora_target_modules", [] if targets == ALL_LINEAR else targets,
+               lambda wanted: any(n == wanted or n.endswith(f".{wanted}") for n in names)),
+              ("lora_modules_to_save", config.lora_modules_to_save or [],
+               lambda wanted: any(n.endswith(wanted) for n in names)))
+    for key, wanted, matches in checks:
+        missing = [name for name in wanted if not matches(name)]
+        if missing:
+            leaves = sorted({leaf for leaf in (name.rsplit(".", 1)[-1] for name in names) if leaf and not leaf.isdigit()})
+            near = difflib.get_close_matches(missing[0], leaves, n=1)
+            raise SFTError(f"{key}: {', '.join(missing)} matches no module of the model"
+                           + (f". Did you mean {near[0]}?" if near else "")
+                           + f" Its module names include: {', '.join(leaves)}.")
 
 
 def prepare_quantized_base(model: PreTrainedModel) -> None:
