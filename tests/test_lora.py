@@ -17,6 +17,7 @@ from sft import SFTError, build_datasets, load_recipe, rundir, train
 from sft.cli.main import main
 from sft.data.tokenizer import load_tokenizer
 from sft.models.loading import load_model
+from sft.models.saved import load_for_inference
 from sft.training.flows import evaluate
 from sft.training.trainer import SFTTrainer
 
@@ -150,6 +151,23 @@ def test_new_token_rows_train_with_the_adapter(tmp_path, grown_model_dir, data_f
     assert model.get_input_embeddings().weight.shape[0] == model.get_output_embeddings().weight.shape[0] == 402
 
 
+def test_new_token_rows_are_saved_alone_and_reload_exactly(tmp_path, grown_model_dir, data_file):
+    """peft's save_embedding_layers="auto" saved both whole 402-row embedding matrices beside the 2 trained rows
+    (4.2 GB a checkpoint on Llama-3-8B); the trained rows alone reload the trained model exactly."""
+    model, trainer = fit(recipe(grown_model_dir, data_file, tmp_path / "out", save_strategy="steps", save_steps=2))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "out"))
+    for folder in (tmp_path / "out", tmp_path / "out" / "checkpoint-2"):
+        weights = load_file(folder / "adapter_model.safetensors")
+        assert {k: tuple(v.shape) for k, v in weights.items() if "lora_" not in k} == {
+            "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta": (2, 32),
+            "base_model.model.lm_head.token_adapter.trainable_tokens_delta": (2, 32)}
+    ids = torch.tensor([[1, 40, 400, 41, 401, 7]])  # 400 and 401 are the new tokens
+    reloaded, _ = load_for_inference(tmp_path / "out", device="cpu")
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=ids).logits, reloaded(input_ids=ids).logits)
+
+
 def test_modules_to_save_and_new_tokens_do_not_clash(tmp_path, grown_model_dir, data_file):
     config = recipe(grown_model_dir, data_file, tmp_path, lora_modules_to_save=["embed_tokens"])
     model = load_model(config, load_tokenizer(config))
@@ -164,10 +182,10 @@ def test_modules_to_save_and_new_tokens_do_not_clash(tmp_path, grown_model_dir, 
     (dict(lora_target_modules=["qkv_proj"]), "lora_target_modules: qkv_proj matches no module of the model"),
     (dict(lora_target_modules=["mlp"]), "Check lora_target_modules"),  # a module peft cannot adapt
     # a typo beside a valid name, or in modules_to_save: peft alone would silently train less than asked
-    (dict(lora_target_modules=["q_proj", "v_prj"]), r"lora_target_modules: v_prj matches no module of the model\. "
-                                                    r"Did you mean v_proj\?"),
-    (dict(lora_modules_to_save=["lm_heads"]), r"lora_modules_to_save: lm_heads matches no module of the model\. "
-                                              r"Did you mean lm_head\?"),
+    (dict(lora_target_modules=["q_proj", "v_prj"]),
+     r"lora_target_modules: v_prj matches no module of the model\. Did you mean v_proj\?"),
+    (dict(lora_modules_to_save=["lm_heads"]),
+     r"lora_modules_to_save: lm_heads matches no module of the model\. Did you mean lm_head\?"),
 ])
 def test_invalid_quantization_or_targets_are_refused(tmp_path, tiny_model_dir, data_file, keys, message):
     with pytest.raises(SFTError, match=message):
@@ -228,7 +246,7 @@ def test_an_adapter_folder_as_the_model_masks_with_its_bases_stop_tokens(tmp_pat
     rows = [{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "CALL weather"},
                           {"role": "tool", "content": "Sunny"}, {"role": "assistant", "content": "Sunny."}]}] * 4
     data = write_json(tmp_path / "chat.jsonl", rows, jsonl=True)
-    chat = dict(dataset_format="messages", chat_template=CALL_TEMPLATE, assistant_only_loss=True)
+    chat = {"dataset_format": "messages", "chat_template": CALL_TEMPLATE, "assistant_only_loss": True}
     run = train(recipe(base, data, tmp_path / "run", max_steps=1, **chat))
     trained = {}
     for model in (base, run):

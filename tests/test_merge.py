@@ -87,15 +87,17 @@ def test_an_adapter_with_new_tokens_loads_with_peft_alone(lora_run):
 
 
 def test_an_adapter_saved_with_padded_embeddings_still_loads(tmp_path, tokenizer, monkeypatch):
-    """Runs before sft trained adapters on exactly len(tokenizer) rows padded them to a multiple of 64 (448 here):
-    sft reloads them on the rows their saved embeddings have."""
+    """Runs before sft trained adapters on exactly len(tokenizer) rows padded them to a multiple of 64 (448 here)
+    and saved both whole embeddings: sft reloads them on the rows their saved embeddings have."""
     base = tmp_path / "base"
     make_llama(len(tokenizer)).save_pretrained(base)
     tokenizer.save_pretrained(base)
     grown = AutoTokenizer.from_pretrained(base)
     grown.add_special_tokens({"additional_special_tokens": ["<|calc|>", "<|end|>"]})
     grown.save_pretrained(base)
-    monkeypatch.setattr("sft.models.loading.adapter_embedding_rows", lambda *args: 448)  # the old padded layout
+    # the old layout: rows padded to a multiple of 64, both whole embeddings saved (peft's "auto")
+    monkeypatch.setattr("sft.models.loading.adapter_embedding_rows", lambda *args: 448)
+    monkeypatch.setattr("sft.models.adapters.save_new_rows_only", lambda model: None)
     run = run_adapter(base, tmp_path / "out", max_steps=1)
     monkeypatch.undo()
     adapter, _ = load_for_inference(run, device="cpu")
