@@ -10,8 +10,8 @@ import huggingface_hub.constants
 import pytest
 from transformers import GenerationConfig
 
-from sft.data.chat_templates import generation_eos
 from sft.models import hub
+from sft.models.loading import generation_eos
 
 from conftest import REPO
 

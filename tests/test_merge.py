@@ -7,7 +7,13 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from sft import load_recipe, train
 from sft.cli.main import main
@@ -117,6 +123,24 @@ def test_merged_folder_is_plain_transformers(lora_run, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(merged).dtype == torch.bfloat16
     tokenizer = AutoTokenizer.from_pretrained(merged)
     assert len(tokenizer) == 402 and tokenizer.chat_template == TEMPLATE
+
+
+def test_trained_and_merged_models_stop_at_the_templates_end_of_turn(lora_run, tmp_path):
+    """generation_config.json lists the run's end of turn: transformers' generate and vLLM read it there, and the
+    base's config (which never heard of <|end|>) let them write past the end of each turn."""
+    end = AutoTokenizer.from_pretrained(lora_run).convert_tokens_to_ids("<|end|>")
+    base = json.loads((lora_run / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert end not in listed(GenerationConfig.from_pretrained(base).eos_token_id)  # the control
+    assert end in listed(GenerationConfig.from_pretrained(lora_run).eos_token_id)
+    assert main(["merge", str(lora_run), str(tmp_path / "merged")]) == 0
+    assert end in listed(GenerationConfig.from_pretrained(tmp_path / "merged").eos_token_id)
+    full = train(load_recipe(dict(model_name_or_path=base, dataset=str(write_json(tmp_path / "d.json", ROWS)),
+                                  output_dir=str(tmp_path / "full"), max_steps=1, report_to="none")))
+    assert end in listed(GenerationConfig.from_pretrained(full).eos_token_id)
+
+
+def listed(ids: int | list[int] | None) -> list[int]:
+    return ids if isinstance(ids, list) else [ids]
 
 
 def test_merge_never_replaces_a_users_files_and_replaces_its_own_only_with_overwrite(lora_run, tmp_path, capsys):

@@ -22,11 +22,11 @@ from transformers import (
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config.arguments import SFTConfig
-from sft.data.chat_templates import generation_eos
 from sft.errors import SFTError
 from sft.evaluation.metrics import check_best_metric
 from sft.models.families import VARLEN, guess_model_type
 from sft.models.hub import local_files_only
+from sft.models.loading import generation_eos
 from sft.training.catalog import shipped
 from sft.training.presets import shards
 from sft.training.recipe import load_recipe

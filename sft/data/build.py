@@ -15,7 +15,6 @@ from transformers import PreTrainedTokenizerBase
 
 from sft.config.arguments import SFTConfig
 from sft.data.chat import ChatRenderer
-from sft.data.chat_templates import generation_eos
 from sft.data.encode import Encoding
 from sft.data.formats import (
     CHAT_FORMATS,
@@ -30,7 +29,7 @@ from sft.data.seq2seq import Seq2SeqEncoding, pair_renderer
 from sft.data.sources import Source, load_source, parse_sources, repeat_by_weight
 from sft.data.tokenizer import load_tokenizer
 from sft.errors import SFTError
-from sft.models.loading import is_encoder_decoder
+from sft.models.loading import generation_eos, is_encoder_decoder
 
 ROW = "row"  # the source row an example came from: the examples `history: split` makes of one row share it
 COUNT_COLUMNS = ["truncated", "reasoning", "split"]  # per-example counts, summed per part after the eval split
@@ -284,7 +283,7 @@ def resolve_format(config: SFTConfig, columns: list[str], where: str) -> str:
 def make_renderer(config: SFTConfig, decided: SourceFormat, tokenizer: PreTrainedTokenizerBase,
                   raw: datasets.Dataset, eos: int | list[int] | None) -> Callable:
     """The row -> Rendered function for this source's format; chat data renders through the chat template and ends
-    turns at the stop tokens (`eos`: the model's generation-config stop ids, chat_templates.generation_eos)."""
+    turns at the stop tokens (`eos`: the model's generation-config stop ids, sft.models.loading.generation_eos)."""
     fmt = decided.format
     conversational = fmt in CHAT_FORMATS or (fmt == "prompt_completion" and isinstance(raw[0]["prompt"], list))
     chat = None

@@ -28,8 +28,8 @@ from sft.data.chat_templates import (
     PRESETS,
     REASONING_TAGS,
     TEMPLATE_ERRORS,
-    resolve_chat_template,
     message_delimiters,
+    resolve_chat_template,
     stop_tokens,
     tokens_not_in_vocab,
 )

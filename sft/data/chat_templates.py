@@ -14,7 +14,6 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from sft.errors import SFTError
-from sft.models.hub import local_files_only
 
 EOS = "eos_token"  # a preset whose turns end with the tokenizer's own EOS (</s> on Llama-2 / Mistral vocabularies)
 # What rendering odd data can raise: raise_exception / undefined names (jinja2), str + None, a missing index, ...
@@ -390,20 +389,3 @@ def _text_after_reply(tokenizer: PreTrainedTokenizerBase, template: str | None, 
         return None  # a template refusing the probe: the EOS ids alone stop replies
     pieces = text.split(REPLY_MARK)
     return pieces[1] if len(pieces) > 1 else None
-
-
-def generation_eos(model: str | None) -> int | list[int] | None:
-    """eos_token_id of the model's generation_config.json (a local folder or a cached Hub id), if it has one; for a
-    LoRA adapter folder (a use_peft run or checkpoint), its base model's, which the run's masks were built with."""
-    from transformers import GenerationConfig
-
-    from sft.models.adapters import base_model_name, is_adapter_folder  # peft loads only when it is needed
-
-    if not model:
-        return None
-    if is_adapter_folder(model):  # holds no generation_config.json: None would drop stop tokens like <|call|>
-        model = base_model_name(model)
-    try:
-        return GenerationConfig.from_pretrained(model, local_files_only=local_files_only(model)).eos_token_id
-    except (OSError, ValueError):  # no generation config: the tokenizer's EOS and the template decide
-        return None

@@ -2,13 +2,12 @@
 
 from sft.config.arguments import SFTConfig
 from sft.data.build import SourceFormat, make_renderer, prepare_splits, resolve_format
-from sft.data.chat_templates import generation_eos
 from sft.data.encode import Encoding
 from sft.data.formats import CHAT_FORMATS, Rendered
 from sft.data.sources import load_source, parse_sources
 from sft.data.stats import DataStats, compute_stats
 from sft.data.tokenizer import load_tokenizer
-from sft.models.loading import is_encoder_decoder
+from sft.models.loading import generation_eos, is_encoder_decoder
 
 
 def describe_data(config: SFTConfig, show: int = 0, color: bool = False) -> tuple[DataStats, str]:

@@ -130,6 +130,14 @@ def decoding_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     tokenizer's pad token, stopping at its EOS, the config's EOS ids and the chat template's end of turn."""
     config = GenerationConfig.from_dict(model.generation_config.to_dict()) if config is None else config
     config.update(**settings)
-    config.update(use_cache=True, pad_token_id=tokenizer.pad_token_id,
-                  eos_token_id=sorted(stop_token_ids(tokenizer, config.eos_token_id)))
+    config.update(use_cache=True, pad_token_id=tokenizer.pad_token_id)
+    return with_stop_tokens(config, tokenizer)
+
+
+def with_stop_tokens(config: GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
+    """`config` stopping at the tokenizer's EOS, its own eos_token_id list and the chat template's end of turn
+    (stop_token_ids). A trained or merged model saves it as generation_config.json, where transformers' generate,
+    vLLM and TGI read when to stop: a base model trained on a template it did not know (llama3's <|eot_id|> on a
+    base Llama, chatml on anything) would otherwise write past the end of each turn outside sft."""
+    config.eos_token_id = sorted(stop_token_ids(tokenizer, config.eos_token_id))
     return config

@@ -146,7 +146,8 @@ def check_module_names(model: PreTrainedModel, config: SFTConfig) -> None:
     for key, wanted, matches in checks:
         missing = [name for name in wanted if not matches(name)]
         if missing:
-            leaves = sorted({leaf for leaf in (name.rsplit(".", 1)[-1] for name in names) if leaf and not leaf.isdigit()})
+            leaves = sorted({leaf for leaf in (name.rsplit(".", 1)[-1] for name in names)
+                             if leaf and not leaf.isdigit()})
             near = difflib.get_close_matches(missing[0], leaves, n=1)
             raise SFTError(f"{key}: {', '.join(missing)} matches no module of the model"
                            + (f". Did you mean {near[0]}?" if near else "")

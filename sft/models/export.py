@@ -3,6 +3,9 @@
 import logging
 from pathlib import Path
 
+from transformers import GenerationConfig
+from transformers.utils import GENERATION_CONFIG_NAME
+
 from sft import rundir
 from sft.errors import SFTError
 from sft.models.adapters import ADAPTER_CONFIG, is_adapter_folder
@@ -37,6 +40,8 @@ def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = 
     model = load_adapter(folder, tokenizer, dtype, base_model, device="cpu", dequantize=True)
     merged = model.merge_and_unload()
     merged.config.use_cache = True  # training switched the KV cache off; the merged model is for inference
+    if (folder / GENERATION_CONFIG_NAME).is_file():  # the run's stop tokens (sft train wrote them), not the base's
+        merged.generation_config = GenerationConfig.from_pretrained(str(folder))
     empty_output(out)
     merged.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))

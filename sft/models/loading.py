@@ -1,4 +1,5 @@
-"""Loading the model a recipe names: dtype, attention backend, safe defaults, new tokens; what names a model."""
+"""Loading the model a recipe names: dtype, attention backend, safe defaults, new tokens; what names a model;
+the stop ids its generation config lists."""
 
 import logging
 from pathlib import Path
@@ -7,6 +8,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -145,3 +147,16 @@ def is_encoder_decoder(config: SFTConfig) -> bool:
     if config.model_name_or_path is None:
         return False  # data prepared with an explicit tokenizer and no model
     return load_model_config(config).is_encoder_decoder
+
+
+def generation_eos(model: str | None) -> int | list[int] | None:
+    """eos_token_id of the model's generation_config.json (a local folder or a cached Hub id), if it has one; for a
+    LoRA adapter folder (a use_peft run or checkpoint), its base model's, which the run's masks were built with."""
+    if not model:
+        return None
+    if is_adapter_folder(model):  # the base the run's masks were built with (its checkpoints hold no such file)
+        model = base_model_name(model)
+    try:
+        return GenerationConfig.from_pretrained(model, local_files_only=local_files_only(model)).eos_token_id
+    except (OSError, ValueError):  # no generation config: the tokenizer's EOS and the template decide
+        return None

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import datasets
 import transformers
+from peft import PeftModel
 from transformers.trainer_utils import get_last_checkpoint
 
 from sft import rundir
@@ -18,6 +19,7 @@ from sft.data.proven_templates import unproven_template_hint
 from sft.data.stats import DataStats, compute_stats
 from sft.data.tokenizer import load_tokenizer
 from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
+from sft.evaluation.generation import with_stop_tokens
 from sft.evaluation.metrics import check_best_metric, eval_keys, resolve_metrics
 from sft.models.adapters import check_adapter_training
 from sft.models.families import check_packing_supported, flattened_batches
@@ -51,6 +53,7 @@ def train(config: SFTConfig) -> Path:
     log.info("\n%s", stats.table("Training data"))
     transformers.set_seed(config.seed)  # new embedding rows are sampled: make them reproducible
     model = load_model(config, tokenizer)
+    with_stop_tokens(model.generation_config, tokenizer)  # saved with each checkpoint and the final model
     warn_half_precision_masters(model, config)
     trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer, train_dataset=train_set,
                                    eval_dataset=eval_set)
@@ -212,6 +215,8 @@ def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: di
     out = Path(config.output_dir)
     prepare_final_save(trainer)
     trainer.save_model(str(out))
+    if trainer.is_world_process_zero() and isinstance(trainer.model, PeftModel):  # an adapter saves no such file
+        trainer.model.generation_config.save_pretrained(str(out))  # the run's stop tokens, for sft merge
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
     if has_eval:

@@ -14,14 +14,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from sft.check.smoke import SAMPLE_ROWS, CheckReport, tiny_recipe
 from sft.config.arguments import SFTConfig
 from sft.data.build import SourceFormat, make_renderer, prepare_splits, resolve_format
-from sft.data.chat_templates import generation_eos
 from sft.data.encode import Encoding
 from sft.data.formats import default_completion_only
 from sft.data.packing import pack_dataset
 from sft.data.seq2seq import Seq2SeqEncoding, pair_renderer
 from sft.data.sources import load_source, parse_sources
 from sft.data.tokenizer import load_tokenizer
-from sft.models.loading import is_encoder_decoder, load_model
+from sft.models.loading import generation_eos, is_encoder_decoder, load_model
 from sft.training.recipe import load_recipe
 from sft.training.trainer import trainer_class
 
