@@ -51,6 +51,7 @@ def check_values(config: SFTConfig) -> None:
     check_eval_split(config.eval_split_size)
     check_reporting(config.report_to)
     check_eval_plan(config)
+    check_best_saves(config)
     if not str(config.output_dir or "").strip():
         raise SFTError("`output_dir` is empty: give the folder the run should write to, e.g. outputs/my-run.")
 
@@ -119,3 +120,19 @@ def check_eval_plan(config: SFTConfig) -> None:
         raise SFTError(f"eval_strategy is {getattr(config.eval_strategy, 'value', config.eval_strategy)} but the "
                        "recipe has no eval data: set `eval_dataset`, or `eval_split_size` (e.g. 0.1), or "
                        "eval_strategy: 'no'.")
+
+
+def check_best_saves(config: SFTConfig) -> None:
+    """save_strategy: best saves a checkpoint at each evaluation that improves metric_for_best_model. Without
+    evaluations during training it would silently save none; without the metric the Trainer raises when it is built,
+    after tokenization and model loading (load_best_model_at_end alone gets "loss" from TrainingArguments)."""
+    if str(getattr(config.save_strategy, "value", config.save_strategy)) != "best":
+        return
+    if str(getattr(config.eval_strategy, "value", config.eval_strategy)) == "no":
+        raise SFTError("save_strategy is best, which saves a checkpoint when an evaluation improves "
+                       "metric_for_best_model, but eval_strategy is 'no', so no checkpoint would ever be saved. Set "
+                       "eval_strategy: steps (with eval_steps) or epoch, or save_strategy: steps or epoch.")
+    if config.metric_for_best_model is None:
+        raise SFTError("save_strategy is best, which saves a checkpoint when an evaluation improves "
+                       "metric_for_best_model, and metric_for_best_model is not set. Set metric_for_best_model: loss "
+                       "(or another key evaluation reports), or save_strategy: steps or epoch.")
