@@ -2,7 +2,10 @@
 after tokenization and model loading. Each failure is one SFTError saying which key, what it got and what it takes."""
 
 import dataclasses
+import difflib
+import inspect
 import math
+import re
 
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
@@ -52,6 +55,7 @@ def check_values(config: SFTConfig) -> None:
     check_reporting(config.report_to)
     check_eval_plan(config)
     check_best_saves(config)
+    check_scheduler_kwargs(config)
     if not str(config.output_dir or "").strip():
         raise SFTError("`output_dir` is empty: give the folder the run should write to, e.g. outputs/my-run.")
 
@@ -136,3 +140,60 @@ def check_best_saves(config: SFTConfig) -> None:
         raise SFTError("save_strategy is best, which saves a checkpoint when an evaluation improves "
                        "metric_for_best_model, and metric_for_best_model is not set. Set metric_for_best_model: loss "
                        "(or another key evaluation reports), or save_strategy: steps or epoch.")
+
+
+# What transformers' get_scheduler passes each schedule function itself (lr_scheduler_kwargs may not repeat them).
+SCHEDULER_ARGUMENTS = ("optimizer", "num_warmup_steps", "num_training_steps")
+
+
+def check_scheduler_kwargs(config: SFTConfig) -> None:
+    """lr_scheduler_kwargs fit the schedule lr_scheduler_type builds: its required settings are given
+    (cosine_with_min_lr and cosine_warmup_with_min_lr: one of min_lr / min_lr_rate; warmup_stable_decay:
+    num_decay_steps), every key is one it takes, and numbers are numbers. The Trainer builds the schedule when
+    training starts, after tokenization and model loading, and raised a TypeError or ValueError traceback there."""
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
+    from transformers.trainer_utils import SchedulerType
+
+    kind = SchedulerType(config.lr_scheduler_type)
+    if kind in (SchedulerType.CONSTANT, SchedulerType.CONSTANT_WITH_WARMUP):
+        return  # get_scheduler passes these no lr_scheduler_kwargs
+    given = config.lr_scheduler_kwargs or {}
+    if not isinstance(given, dict):
+        raise SFTError(f"Bad value for `lr_scheduler_kwargs`: {given!r}; give a mapping, e.g. "
+                       "--lr_scheduler_kwargs '{min_lr_rate: 0.1}'.")
+    params = inspect.signature(TYPE_TO_SCHEDULER_FUNCTION[kind]).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return  # reduce_lr_on_plateau, greedy: the keys go on to the scheduler class
+    settings = [name for name in params if name not in SCHEDULER_ARGUMENTS]
+    for key in given:
+        if key in SCHEDULER_ARGUMENTS:
+            raise SFTError(f"Bad key `{key}` in `lr_scheduler_kwargs`: the Trainer sets it from the recipe "
+                           "(warmup_steps; max_steps or num_train_epochs). Remove it from lr_scheduler_kwargs.")
+        if key not in settings:
+            close = difflib.get_close_matches(key, settings, n=1, cutoff=0.6)
+            hint = f" Did you mean `{close[0]}`?" if close else ""
+            raise SFTError(f"Bad key `{key}` in `lr_scheduler_kwargs`: lr_scheduler_type {kind.value} takes "
+                           f"{', '.join(settings)}.{hint}")
+        if isinstance(given[key], str) and takes_only_numbers(params[key]):
+            # YAML 1.1 reads an exponent without a decimal point (1e-5) as text
+            fix = re.sub(r"^([+-]?\d+)([eE])", r"\1.0\2", given[key].strip())
+            hint = f" YAML reads 1e-5 as text and 1.0e-5 as a number: write {key}: {fix}." if fix != given[key] else ""
+            raise SFTError(f"Bad value for `{key}` in `lr_scheduler_kwargs`: {given[key]!r} is text, and it takes a "
+                           f"number.{hint}")
+    missing = [name for name in settings if params[name].default is inspect.Parameter.empty and name not in given]
+    if missing:
+        raise SFTError(f"lr_scheduler_type {kind.value} needs {missing[0]} in `lr_scheduler_kwargs`, e.g. "
+                       f"--lr_scheduler_kwargs '{{{missing[0]}: 100}}'.")
+    # the cosine schedules with a floor take exactly one of min_lr (absolute) or min_lr_rate (a share of learning_rate)
+    if {"min_lr", "min_lr_rate"} <= set(settings) and len({"min_lr", "min_lr_rate"} & set(given)) != 1:
+        raise SFTError(f"lr_scheduler_type {kind.value} needs exactly one of min_lr or min_lr_rate in "
+                       "`lr_scheduler_kwargs`, e.g. --lr_scheduler_kwargs '{min_lr_rate: 0.1}'.")
+
+
+def takes_only_numbers(param: inspect.Parameter) -> bool:
+    """Whether a schedule function's parameter takes a number: annotated int/float (maybe None) and not text, or,
+    unannotated, a numeric default."""
+    if param.annotation is inspect.Parameter.empty:
+        return isinstance(param.default, (int, float)) and not isinstance(param.default, bool)
+    annotation = str(param.annotation)
+    return ("float" in annotation or "int" in annotation) and "str" not in annotation
