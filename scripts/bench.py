@@ -143,12 +143,18 @@ class StepTimer:
 
 
 def count_tokens(trainer, counts: list) -> None:
-    """Record (non-padding, trained) tokens of every micro-batch the trainer really trains on."""
+    """Record (non-padding, trained) tokens of every micro-batch the trainer really trains on (packed rows without
+    the padding PackedCollator adds, as sft's logs count them)."""
+    sys.path.insert(0, str(REPO))
+    from sft.training.throughput import packed_padding
+
     original = trainer.training_step
+    pad_id = getattr(trainer.processing_class, "pad_token_id", None)
 
     def counting(model, inputs, num_items_in_batch=None):
         mask = inputs.get("attention_mask")
-        seen = int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        seen = (int(mask.sum()) if mask is not None
+                else int(inputs["input_ids"].numel() - packed_padding(inputs, pad_id)))
         counts.append((seen, int((inputs["labels"][:, 1:] != -100).sum())))
         return original(model, inputs, num_items_in_batch)
 

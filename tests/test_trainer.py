@@ -9,6 +9,7 @@ import torch
 from transformers import TrainerCallback
 
 from sft import SFTConfig, SFTTrainer
+from sft.data.collators import PackedCollator, PaddingFreeCollator
 from sft.data.encode import IGNORE_INDEX
 from sft.training.throughput import ThroughputLog
 
@@ -83,6 +84,26 @@ def test_throughput_log_counts_exact_tokens_and_logs_plain_numbers(monkeypatch):
     log.count({"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.tensor([[-100, 1, 2, -100]])})
     third = log.add_to({"loss": 0.2}, reduce=lambda counts: 2 * counts)  # two processes with equal batches
     assert third["trained_tokens"] == 8 + 4 and third["tokens_per_second"] > 0
+
+
+def test_throughput_counts_packed_rows_without_their_padding():
+    """PackedCollator pads rows to the widest with one more example of pad ids and no labels, and passes no
+    attention_mask: counting every position logged the padding as trained-on tokens."""
+    rows = [{"input_ids": [5, 6, 7, 8, 9, 10], "labels": [-100, 6, 7, -100, 9, 10], "position_ids": [0, 1, 2, 0, 1, 2]},
+            {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 1, 2]},
+            {"input_ids": [0, 0, 4], "labels": [-100, -100, 4], "position_ids": [0, 1, 2]}]  # pad ids, yet real
+    batch = PackedCollator(pad_token_id=0)(rows)
+    assert batch["input_ids"].shape == (3, 6) and "attention_mask" not in batch
+    log = ThroughputLog(pad_token_id=0)
+    log.count(batch)
+    assert int(log.window_tokens) == 6 + 3 + 3
+    flat = PaddingFreeCollator()(rows)  # one row, no padding: every token counts
+    log = ThroughputLog(pad_token_id=0)
+    log.count(flat)
+    assert int(log.window_tokens) == 12
+    unknown = ThroughputLog()  # without the pad id nothing is taken for padding
+    unknown.count(batch)
+    assert int(unknown.window_tokens) == 18
 
 
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])

@@ -13,10 +13,12 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]  # a sum over processes (acceler
 
 
 class ThroughputLog:
-    """Counts each micro-batch's tokens (attended, or all without a mask) and trained labels between logs."""
+    """Counts each micro-batch's tokens (attended; packed rows without their padding) and trained labels between
+    logs."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", pad_token_id: int | None = None) -> None:
         self.device = device  # where a collective can sum the counts (NCCL: the GPU)
+        self.pad_token_id = pad_token_id  # PackedCollator pads with it (packed_padding)
         self.window_tokens, self.pending_trained, self.trained_total = 0, 0, 0
         self.window_start = time.perf_counter()
 
@@ -24,7 +26,8 @@ class ThroughputLog:
         """Add one micro-batch. The sums stay tensors on the batch's device until a log reads them: an int() here
         would wait for the GPU on every micro-step."""
         mask = inputs.get("attention_mask")
-        self.window_tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
+        self.window_tokens += (mask.sum() if mask is not None
+                               else inputs["input_ids"].numel() - packed_padding(inputs, self.pad_token_id))
         if "labels" in inputs:
             self.pending_trained += (inputs["labels"] != IGNORE_INDEX).sum()
 
@@ -53,3 +56,16 @@ class ThroughputLog:
 
     def _tensor(self, count: int | torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(count, dtype=torch.int64, device=self.device)
+
+
+def packed_padding(inputs: dict[str, Any], pad_token_id: int | None) -> torch.Tensor | int:
+    """The padding tokens of a PackedCollator batch (no attention_mask): each row's padding is one more example at
+    its end (positions from 0) of pad ids and no labels; a real example always has a token that is not padding or
+    a label. Tensor ops on the batch's device: no wait for the GPU."""
+    ids, positions, labels = inputs["input_ids"], inputs.get("position_ids"), inputs.get("labels")
+    if pad_token_id is None or positions is None or labels is None or ids.dim() != 2:
+        return 0
+    index = torch.arange(ids.shape[1], device=ids.device)
+    last = index >= torch.where(positions == 0, index, 0).amax(dim=1, keepdim=True)  # each row's last example
+    padded = ~(last & ((ids != pad_token_id) | (labels != IGNORE_INDEX))).any(dim=1)
+    return (last.sum(dim=1) * padded).sum()
