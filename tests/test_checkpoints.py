@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 from sft import SFTConfig, SFTTrainer, rundir
 from sft.cli.main import main
 from sft.errors import SFTError
-from sft.training.checkpoints import BATCH_KEY, check_same_batch, is_resumable
+from sft.training.checkpoints import BATCH_KEY, LOSS_KEY, check_same_batch, is_resumable
 
 from conftest import REPO, make_llama
 
@@ -199,3 +199,23 @@ def test_only_a_resume_at_the_same_rows_per_step_equals_the_uninterrupted_run(tm
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     gap = max((a - b).abs().max().item() for a, b in zip(reference.model.parameters(), resumed.model.parameters()))
     assert (gap < 1e-6) == exact, gap
+
+
+@pytest.mark.parametrize("logging_steps", [1, 4, 500])
+def test_a_resumed_runs_train_loss_is_the_whole_runs(tmp_path, tokenizer, logging_steps):
+    """The Trainer's train_loss of a resumed run averaged the steps since the resume only; sft carries the sum of
+    the earlier steps' losses in the checkpoint (logged or not yet logged when it was saved)."""
+    reference = make_trainer(tokenizer, tmp_path / "reference", logging_steps=logging_steps)
+    expected = reference.train().training_loss
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "reference" / "checkpoint-2", out / "checkpoint-2")
+    resumed = make_trainer(tokenizer, out, logging_steps=logging_steps)
+    assert resumed.train(resume_from_checkpoint=str(out / "checkpoint-2")).training_loss == pytest.approx(expected,
+                                                                                                           rel=1e-6)
+    steps_since = make_trainer(tokenizer, tmp_path / "since", logging_steps=logging_steps)  # the Trainer's own rule
+    shutil.copytree(tmp_path / "reference" / "checkpoint-2", tmp_path / "since" / "checkpoint-2")
+    state = json.loads((tmp_path / "since" / "checkpoint-2" / "trainer_state.json").read_text())
+    state["stateful_callbacks"].pop(LOSS_KEY)  # a checkpoint from before sft kept the sum
+    (tmp_path / "since" / "checkpoint-2" / "trainer_state.json").write_text(json.dumps(state))
+    assert steps_since.train(resume_from_checkpoint=str(tmp_path / "since" / "checkpoint-2")).training_loss != (
+        pytest.approx(expected, rel=1e-4))

@@ -23,6 +23,7 @@ from sft.errors import SFTError
 log = logging.getLogger(__name__)
 STAGING_PREFIX = ".staging-"
 BATCH_KEY = "sft_batch"  # in TrainerState.stateful_callbacks, which every checkpoint saves (see batch_shape)
+LOSS_KEY = "sft_loss_sum"  # there too: the sum of every step's loss so far, for a resumed run's train_loss
 
 
 def is_resumable(folder: Path) -> bool:

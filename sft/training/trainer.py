@@ -17,6 +17,7 @@ from transformers import (
     Seq2SeqTrainingArguments,
     Trainer,
 )
+from transformers.trainer_pt_utils import nested_gather
 
 from sft.data.collators import TRAINED_TARGETS, HostCount, PackedCollator, PaddingFreeCollator
 from sft.data.encode import IGNORE_INDEX
@@ -24,7 +25,7 @@ from sft.evaluation.predict import GenerationEval
 from sft.models.compilation import compile_blocks, repeated_blocks, set_activation_memory_budget
 from sft.models.families import flattened_batches
 from sft.training import checkpoints
-from sft.training.checkpoints import BATCH_KEY, CheckpointStaging, batch_shape
+from sft.training.checkpoints import BATCH_KEY, LOSS_KEY, CheckpointStaging, batch_shape
 from sft.training.divergence import DivergenceGuard
 from sft.training.loss import EvalTokenSums, TokenLoss
 from sft.training.neftune import NEFTune
@@ -104,6 +105,7 @@ class SFTMixin:
         self.divergence = DivergenceGuard(self.accelerator)
         self.add_callback(self.divergence)  # after StopOnSignal: a diverged step is not saved on a signal either
         self.checkpoint_staging = CheckpointStaging(self.accelerator)
+        self.resumed_loss_sum: float | None = None  # the checkpoint's, on resume (see _finalize_training)
         generating = isinstance(self.args, Seq2SeqTrainingArguments) and self.args.predict_with_generate
         self.generation_eval = GenerationEval(self.args, self.accelerator, self.eval_dataset) if generating else None
 
@@ -207,6 +209,10 @@ class SFTMixin:
         run_dir = super()._get_output_dir(trial)
         self.throughput.save_to(self.state.stateful_callbacks, self._sum_over_processes)
         self.state.stateful_callbacks[BATCH_KEY] = batch_shape(self.args)  # what a resume must match
+        # every step's loss so far (the logged windows plus the one not logged yet, averaged over processes)
+        pending = nested_gather(self._tr_loss, self.args.parallel_mode).mean().item()
+        total = (self.resumed_loss_sum or 0.0) + self._total_loss_scalar + pending
+        self.state.stateful_callbacks[LOSS_KEY] = {"loss_sum": total}
         with self.checkpoint_staging.writing(run_dir, self.state.global_step):
             super()._save_checkpoint(model, trial)
         self.checkpoint_staging.finish(run_dir, self.state, self.args)
@@ -233,7 +239,17 @@ class SFTMixin:
         self.throughput.resume_from(self.state.stateful_callbacks)
         self.state.stateful_callbacks.pop(STATE_KEY, None)
         self.state.stateful_callbacks.pop(BATCH_KEY, None)
+        self.resumed_loss_sum = (self.state.stateful_callbacks.pop(LOSS_KEY, None) or {}).get("loss_sum")
         super()._load_callback_state()
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        """train_loss over the whole run, also when it resumed: the Trainer's covers the steps since the resume
+        only (3.6 uninterrupted against 2.1 resumed, with weights bitwise equal). Checkpoints from before sft kept
+        the sum (no LOSS_KEY) report the Trainer's."""
+        if self.resumed_loss_sum is not None:
+            self._total_loss_scalar += self.resumed_loss_sum
+            self._initial_global_step, self.resumed_loss_sum = 0, None
+        return super()._finalize_training(*args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add tokens/s (since the last log) and the running trained-token count, over all processes, to training
