@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from sft import SFTConfig, SFTTrainer, rundir
+from sft import SFTConfig, SFTTrainer, load_recipe, rundir
 from sft.cli.main import main
 from sft.errors import SFTError
 from sft.training.checkpoints import BATCH_KEY, LOSS_KEY, check_same_batch, is_resumable
@@ -219,3 +219,23 @@ def test_a_resumed_runs_train_loss_is_the_whole_runs(tmp_path, tokenizer, loggin
     (tmp_path / "since" / "checkpoint-2" / "trainer_state.json").write_text(json.dumps(state))
     assert steps_since.train(resume_from_checkpoint=str(tmp_path / "since" / "checkpoint-2")).training_loss != (
         pytest.approx(expected, rel=1e-4))
+
+
+@pytest.mark.parametrize("patience, steps", [(2, 3), (None, 6)])
+def test_early_stopping_stops_after_patience_evaluations_without_improvement(tmp_path, tokenizer, patience, steps):
+    # learning rate 0: every evaluation's loss equals the first, so none improves on the best
+    config = load_recipe({"output_dir": str(tmp_path), "per_device_train_batch_size": 4, "max_steps": 6,
+                          "learning_rate": 0.0, "eval_strategy": "steps", "eval_steps": 1, "save_strategy": "no",
+                          "report_to": "none", "early_stopping_patience": patience,
+                          "eval_split_size": 0.1})  # (the eval data is given to the trainer below)
+    assert config.metric_for_best_model == ("loss" if patience else None)  # the eval loss unless told otherwise
+    trainer = SFTTrainer(model=make_llama(len(tokenizer)), args=config, processing_class=tokenizer,
+                         train_dataset=toy_data(), eval_dataset=toy_data(8))
+    trainer.train()
+    assert trainer.state.global_step == steps
+
+
+def test_early_stopping_without_evaluations_is_refused():
+    with pytest.raises(SFTError, match="early_stopping_patience is 3, which stops training when evaluations stop "
+                                       "improving, but eval_strategy is 'no'"):
+        load_recipe({"early_stopping_patience": 3})

@@ -145,6 +145,13 @@ class SFTConfig(Seq2SeqTrainingArguments):
     metrics: list[str] | None = _help("Generation metrics: exact_match, rouge, bleu, or module.path:function "
                                       "(default: all three built-ins).")
 
+    # Early stopping
+    early_stopping_patience: int | None = _help(
+        "Stop training once metric_for_best_model (default: the eval loss) has not improved for this many "
+        "evaluations in a row; needs evaluations during training (eval_strategy steps or epoch). Unset: never.")
+    early_stopping_threshold: float = _help("How much the metric must improve on the best so far to count as an "
+                                            "improvement (with early_stopping_patience).", 0.0)
+
     recipe_keys: list[str] = field(default_factory=list, init=False, repr=False)  # the keys the user set
     # use_cpu was turned on here because no accelerator is visible (not asked for by the recipe)
     cpu_by_default: bool = field(default=False, init=False, repr=False)

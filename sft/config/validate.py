@@ -13,9 +13,9 @@ from sft.errors import SFTError
 # key: the smallest value that makes sense (None values mean "unset" and are not checked).
 AT_LEAST_ONE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                 "max_length", "lora_r", "max_new_tokens", "generation_num_beams", "generation_max_length",
-                "dataset_num_proc", "save_total_limit")
+                "dataset_num_proc", "save_total_limit", "early_stopping_patience")
 NOT_NEGATIVE = ("learning_rate", "weight_decay", "max_grad_norm", "num_train_epochs", "neftune_noise_alpha",
-                "lora_alpha", "lora_dropout", "eval_split_size", "warmup_steps")
+                "lora_alpha", "lora_dropout", "eval_split_size", "warmup_steps", "early_stopping_threshold")
 # The adapter's settings: read only when use_peft builds one.
 PEFT_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_dora", "use_rslora",
              "lora_modules_to_save")
@@ -55,6 +55,7 @@ def check_values(config: SFTConfig) -> None:
     check_reporting(config.report_to)
     check_eval_plan(config)
     check_best_saves(config)
+    check_early_stopping(config)
     check_scheduler_kwargs(config)
     if not str(config.output_dir or "").strip():
         raise SFTError("`output_dir` is empty: give the folder the run should write to, e.g. outputs/my-run.")
@@ -140,6 +141,16 @@ def check_best_saves(config: SFTConfig) -> None:
         raise SFTError("save_strategy is best, which saves a checkpoint when an evaluation improves "
                        "metric_for_best_model, and metric_for_best_model is not set. Set metric_for_best_model: loss "
                        "(or another key evaluation reports), or save_strategy: steps or epoch.")
+
+
+def check_early_stopping(config: SFTConfig) -> None:
+    """Early stopping compares evaluations made during training: without any it would never stop (the Trainer's
+    callback asserts, after tokenization and model loading)."""
+    if config.early_stopping_patience is not None and str(getattr(config.eval_strategy, "value",
+                                                                   config.eval_strategy)) == "no":
+        raise SFTError(f"early_stopping_patience is {config.early_stopping_patience}, which stops training when "
+                       "evaluations stop improving, but eval_strategy is 'no'. Set eval_strategy: steps (with "
+                       "eval_steps) or epoch, and eval data (eval_split_size or eval_dataset).")
 
 
 # What transformers' get_scheduler passes each schedule function itself (lr_scheduler_kwargs may not repeat them).

@@ -70,6 +70,10 @@ def train(config: SFTConfig) -> Path:
             f"Stopped by {trainer.stop_on_signal.signal_name} at step {trainer.state.global_step}; checkpoint saved in "
             f"{output_dir}. Resume with the same command plus --resume_from_checkpoint true.",
             trainer.stop_on_signal.exit_code)
+    if config.early_stopping_patience is not None and trainer.state.global_step < trainer.state.max_steps:
+        log.warning("Stopped early at step %d of %d: eval %s did not improve on %.4g for %d evaluations.",
+                    trainer.state.global_step, trainer.state.max_steps, config.metric_for_best_model,
+                    trainer.state.best_metric, config.early_stopping_patience)
     save_run(trainer, config, stats, result.metrics, has_eval=eval_data is not None,
              formats="; ".join(map(str, train_data.sources)))
     if trainer.is_world_process_zero():

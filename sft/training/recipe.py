@@ -260,6 +260,8 @@ def build_config(values: dict) -> SFTConfig:
     """SFTConfig from validated values; TrainingArguments' own checks become SFTErrors."""
     values.setdefault("output_dir", "outputs/run")
     user_keys = sorted(values)
+    if values.get("early_stopping_patience") is not None and values.get("metric_for_best_model") is None:
+        values["metric_for_best_model"] = "loss"  # what early stopping watches unless told (as load_best does)
     values = apply_distributed(values)  # before TrainingArguments, which sets up FSDP/DeepSpeed as it is built
     try:
         config = SFTConfig(**values)

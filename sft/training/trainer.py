@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 from transformers import (
     DataCollatorForSeq2Seq,
+    EarlyStoppingCallback,
     PreTrainedTokenizerBase,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
@@ -104,6 +105,9 @@ class SFTMixin:
         self.add_callback(self.stop_on_signal)
         self.divergence = DivergenceGuard(self.accelerator)
         self.add_callback(self.divergence)  # after StopOnSignal: a diverged step is not saved on a signal either
+        patience = getattr(self.args, "early_stopping_patience", None)
+        if patience is not None:  # its count of evaluations without improvement is saved with each checkpoint
+            self.add_callback(EarlyStoppingCallback(patience, self.args.early_stopping_threshold))
         self.checkpoint_staging = CheckpointStaging(self.accelerator)
         self.resumed_loss_sum: float | None = None  # the checkpoint's, on resume (see _finalize_training)
         generating = isinstance(self.args, Seq2SeqTrainingArguments) and self.args.predict_with_generate
