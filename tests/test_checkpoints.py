@@ -239,3 +239,23 @@ def test_early_stopping_without_evaluations_is_refused():
     with pytest.raises(SFTError, match="early_stopping_patience is 3, which stops training when evaluations stop "
                                        "improving, but eval_strategy is 'no'"):
         load_recipe({"early_stopping_patience": 3})
+
+
+def test_early_stopping_resumes_its_count_of_evaluations_without_improvement(tmp_path, tokenizer):
+    """Patience 3 on unchanging eval losses stops at step 4; resumed from checkpoint-2 (one evaluation without
+    improvement so far) it must stop there too, not count from 0 and stop at step 5."""
+    def trainer(out):
+        config = load_recipe({"output_dir": str(out), "per_device_train_batch_size": 4, "max_steps": 8,
+                              "learning_rate": 0.0, "eval_strategy": "steps", "eval_steps": 1, "save_steps": 1,
+                              "report_to": "none", "early_stopping_patience": 3, "eval_split_size": 0.1})
+        return SFTTrainer(model=make_llama(len(tokenizer)), args=config, processing_class=tokenizer,
+                          train_dataset=toy_data(), eval_dataset=toy_data(8))
+
+    uninterrupted = trainer(tmp_path / "reference")
+    uninterrupted.train()
+    assert uninterrupted.state.global_step == 4
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "reference" / "checkpoint-2", out / "checkpoint-2")
+    resumed = trainer(out)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.state.global_step == 4

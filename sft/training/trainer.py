@@ -106,8 +106,10 @@ class SFTMixin:
         self.divergence = DivergenceGuard(self.accelerator)
         self.add_callback(self.divergence)  # after StopOnSignal: a diverged step is not saved on a signal either
         patience = getattr(self.args, "early_stopping_patience", None)
-        if patience is not None:  # its count of evaluations without improvement is saved with each checkpoint
-            self.add_callback(EarlyStoppingCallback(patience, self.args.early_stopping_threshold))
+        self.early_stopping = None if patience is None else EarlyStoppingCallback(
+            patience, self.args.early_stopping_threshold)  # its count is saved with each checkpoint
+        if self.early_stopping is not None:
+            self.add_callback(self.early_stopping)
         self.checkpoint_staging = CheckpointStaging(self.accelerator)
         self.resumed_loss_sum: float | None = None  # the checkpoint's, on resume (see _finalize_training)
         generating = isinstance(self.args, Seq2SeqTrainingArguments) and self.args.predict_with_generate
@@ -238,12 +240,16 @@ class SFTMixin:
         return grad_norm
 
     def _load_callback_state(self) -> None:
-        """On resume: the trained-token count goes on from the checkpoint's; it and the batch shape (checked before
-        loading) are no callbacks to restore."""
+        """On resume: the trained-token count and the loss sum go on from the checkpoint's (they and the batch shape,
+        checked before loading, are no callbacks to restore), and so does early stopping's count of evaluations
+        without improvement (the Trainer restores callbacks only with restore_callback_states_from_checkpoint)."""
         self.throughput.resume_from(self.state.stateful_callbacks)
         self.state.stateful_callbacks.pop(STATE_KEY, None)
         self.state.stateful_callbacks.pop(BATCH_KEY, None)
         self.resumed_loss_sum = (self.state.stateful_callbacks.pop(LOSS_KEY, None) or {}).get("loss_sum")
+        saved = self.state.stateful_callbacks.get(type(self.early_stopping).__name__)
+        if self.early_stopping is not None and isinstance(saved, dict):  # restored only with every callback's else
+            self.early_stopping.early_stopping_patience_counter = saved["attributes"]["early_stopping_patience_counter"]
         super()._load_callback_state()
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
