@@ -185,7 +185,8 @@ def test_merge_errors_exit_2_with_a_message(lora_run, tiny_model_dir, tmp_path, 
     (moved / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "/nowhere/base"}))
     assert main(["merge", str(moved), str(tmp_path / "o3")]) == 2
     err = capsys.readouterr().err
-    assert "Could not load the model /nowhere/base (the base model named in" in err and "--base_model" in err
+    assert (f"`base_model_name_or_path in {moved / 'adapter_config.json'} (or pass --base_model)`: /nowhere/base "
+            "does not exist") in err
     # --base_model of another size: one line naming a mismatched tensor, exit 2, no traceback
     other = tmp_path / "other-base"
     make_llama(402, hidden_size=64).save_pretrained(other)
@@ -195,7 +196,8 @@ def test_merge_errors_exit_2_with_a_message(lora_run, tiny_model_dir, tmp_path, 
         assert f"The adapter in {lora_run} does not fit the base model {other} (--base_model): size mismatch for" in err
         assert "Traceback" not in err and len(err.split("sft: error:")[1].strip().splitlines()) == 1
     assert main(["merge", str(lora_run), str(tmp_path / "o5"), "--base_model", str(tmp_path / "missing")]) == 2
-    assert f"Could not load the model {tmp_path / 'missing'} (--base_model)" in capsys.readouterr().err
+    err = capsys.readouterr().err  # a missing folder is named as such (it read "Repo id must use alphanumeric")
+    assert f"`--base_model`: {tmp_path / 'missing'} does not exist. Give an existing folder" in err
 
 
 @pytest.mark.parametrize("use_peft", [False, True])

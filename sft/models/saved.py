@@ -24,7 +24,7 @@ from sft.models.adapters import (
     load_saved_adapter,
 )
 from sft.models.hub import local_files_only
-from sft.models.loading import auto_model_class, fit_embeddings
+from sft.models.loading import auto_model_class, check_model_reference, fit_embeddings
 from sft.models.quantization import DTYPES, is_quantized, quantization_config
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,10 @@ def load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
 def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, base_model: str | None,
                  device: str, dequantize: bool = False) -> PeftModel:
     """The adapter in `folder` on its base model, quantized as in training unless `dequantize`."""
-    name = base_model or base_model_name(folder)
+    # a local path that is not there (a typo, or a base moved since training) is named as such, not as a bad Hub id
+    name = (check_model_reference(base_model, "--base_model") if base_model else
+            check_model_reference(base_model_name(folder), f"base_model_name_or_path in {folder / ADAPTER_CONFIG} (or "
+                                  "pass --base_model)"))
     log.info("Loading the base model %s for the adapter in %s", name, folder)
     origin = " (--base_model)" if base_model else f" (the base model named in {folder / ADAPTER_CONFIG})"
     hint = "Check the path or Hub id and network access" + ("" if base_model else
