@@ -127,6 +127,7 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     if problems:
         raise SFTError(problems[0])
     check_launcher(config)
+    check_optimizer(config)
     check_quantization(config)
     check_adapter_training(config)
     if config.predict_with_generate:
@@ -143,6 +144,17 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
                        "it, --overwrite_output_dir true to replace it (only files sft wrote are removed), or choose "
                        "another output_dir.")
     return config
+
+
+def check_optimizer(config: SFTConfig) -> None:
+    """An `optim` whose package is not installed (galore_adamw, lomo, schedule_free_adamw, adamw_torch_4bit, ...):
+    the Trainer raises its ImportError when it builds the optimizer, after tokenization and model loading."""
+    try:
+        transformers.Trainer.get_optimizer_cls_and_kwargs(config)
+    except (ImportError, ValueError) as err:
+        if isinstance(err, ImportError) or "install" in str(err):  # grokadamw's is a ValueError
+            name = getattr(config.optim, "value", config.optim)
+            raise SFTError(f"optim: {name} needs a package that is not installed. {err}") from None
 
 
 def check_resume(out: Path, resume: str | bool | None, config: SFTConfig) -> None:
