@@ -1,5 +1,6 @@
 """Malformed data fails with exit 2, naming the file, the row and the problem, before any model loads."""
 
+import gzip
 import json
 
 import pytest
@@ -18,6 +19,13 @@ CASES = {
     "bad_line.jsonl": (json.dumps(GOOD) + '\n{"instruction": "x", "output": }\n', "bad_line.jsonl, line 2: invalid JSON"),
     "non_utf8.jsonl": (json.dumps(GOOD).encode() + b'\n{"instruction": "\xff", "output": "y"}\n', "line 2: bytes that are not UTF-8"),
     "not_a_list.json": ('"just a string"', "expected a JSON object"),
+    # A file type sft does not read (it failed with "found ['None']"): a compressed file is told to be decompressed,
+    # one side of a line-aligned translation pair (Multi30K's train.en) how to make it one file of pairs.
+    "rows.jsonl.gz": (gzip.compress(json.dumps(GOOD).encode() + b"\n"), "sft reads .json, .jsonl, .csv, .parquet, "
+                      ".txt, .arrow files, not .jsonl.gz. Decompress it first (e.g. gunzip -k rows.jsonl.gz)."),
+    "captions.en": ("A man sleeping in a green room on a couch.\n", "not .en. Two line-aligned files of source and "
+                    "target sentences (train.en + train.de) are one dataset of pairs: write them as one JSON Lines "
+                    "file with a `source` and a `target` per line"),
 }
 
 

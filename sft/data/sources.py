@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 # Columns a row of some format holds as a list of objects: a file with one such object is one row, not a wrapper.
 ROW_KEYS = ("messages", "conversations", "prompt", "completion", "chosen", "rejected", "tools", "images")
 SOURCE_KEYS = ("path", "split", "columns", "weight", "name", "data_dir")
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".7z")  # read by none of sft's loaders
 
 
 @dataclass
@@ -108,9 +109,11 @@ def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
     files = _data_files(path)
     if not files:
         raise SFTError(f"Dataset folder {path} holds no {', '.join(FILE_TYPES)} files.")
-    kinds = {FILE_TYPES.get(f.suffix) for f in files}
-    if None in kinds or len(kinds) > 1:
-        raise SFTError(f"Dataset {path}: use one file type among {', '.join(FILE_TYPES)} (found {sorted(map(str, kinds))}).")
+    if path.is_file() and path.suffix not in FILE_TYPES:  # a folder's files are filtered by type
+        raise _unread_type(path)
+    kinds = {FILE_TYPES[f.suffix] for f in files}
+    if len(kinds) > 1:
+        raise SFTError(f"Dataset {path}: use one file type among {', '.join(FILE_TYPES)} (found {sorted(kinds)}).")
     kind = kinds.pop()
     parsed = [_check_file(f, kind) for f in files]
     if any(rows is not None for rows in parsed):  # a BOM or a top-level object: rows read here, not by `datasets`
@@ -121,6 +124,22 @@ def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
         return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split)
     except Exception as err:  # datasets wraps parse errors in many types; re-scan to say where
         raise SFTError(f"Could not read dataset {path}: {_first_line(err)}") from None
+
+
+def _unread_type(path: Path) -> SFTError:
+    """The error for a data file sft does not read, with what to do for the two cases real datasets ship: compressed
+    files (train.jsonl.gz) and a translation corpus as two line-aligned text files (Multi30K's train.en.gz +
+    train.de.gz), which are one dataset of pairs, not two."""
+    compressed = path.suffix in COMPRESSED
+    inner = Path(path.stem).suffix if compressed else path.suffix  # .jsonl of train.jsonl.gz, .en of train.en.gz
+    example = f" (e.g. gunzip -k {path.name})" if path.suffix == ".gz" else ""
+    fix = [f"Decompress it first{example}."] if compressed else []
+    if inner not in FILE_TYPES:
+        fix.append("Two line-aligned files of source and target sentences (train.en + train.de) are one dataset of "
+                   "pairs: write them as one JSON Lines file with a `source` and a `target` per line (README: "
+                   "Seq2Seq).")
+    kind = (inner + path.suffix if compressed else inner) or "files without an extension"
+    return SFTError(f"Dataset file {path}: sft reads {', '.join(FILE_TYPES)} files, not {kind}. " + " ".join(fix))
 
 
 def _check_file(path: Path, kind: str) -> list[dict] | None:
