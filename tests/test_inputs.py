@@ -170,6 +170,26 @@ def test_training_stats_count_only_the_rows_left_for_training(tmp_path, capsys):
     assert stats["truncated_rows"] == over > 0 and held_over > 0  # control: both parts have rows over 24 tokens
 
 
+def test_eval_rows_dropped_at_max_length_are_reported(tmp_path, caplog):
+    """Eval rows whose prompt fills max_length have nothing to score and are left out of every evaluation; sft eval
+    (and sft train) say how many, where they were dropped without a word (DialogSum dev, decoder model, max_length
+    256: 155 of 500 dialogues, the longest)."""
+    short = [{"instruction": f"Say {word}", "output": word} for word in ("yes", "no", "maybe")]
+    long = [{"instruction": "Count: " + " ".join(["word"] * n), "output": "no"} for n in (60, 80)]
+    data = write_json(tmp_path / "eval.json", short + [long[0], short[0], long[1]])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data_keys(tmp_path, str(ALPACA), eval_dataset=str(data), max_length=48,
+                                               per_device_eval_batch_size=8)))
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        assert main(["eval", str(recipe)]) == 0
+    warning = ("Eval data: 2 of 6 rows dropped, no trained token fits in max_length=48. Eval loss and metrics leave "
+               "them out: raise max_length or shorten the prompts to score them.")
+    assert warning in caplog.text
+    _, evaluation = build_datasets(load_recipe(data_keys(tmp_path, str(ALPACA), eval_dataset=str(data),
+                                                         max_length=48)))
+    assert len(evaluation) == 4  # the two long rows are the ones left out
+
+
 def test_a_save_to_disk_folder_is_a_dataset(tmp_path):
     """A Dataset or DatasetDict saved with save_to_disk (arrow shards + json state files) reads as its rows: it was
     refused as a folder of mixed file types. A DatasetDict's split is the source's `split`, sliceable."""

@@ -12,7 +12,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from sft import rundir
 from sft.config.arguments import SFTConfig
-from sft.data.build import prepare_splits
+from sft.data.build import Prepared, prepare_splits
 from sft.data.formats import CHAT_FORMATS
 from sft.data.packing import pack_dataset, pack_dataset_with_stats
 from sft.data.proven_templates import unproven_template_hint
@@ -51,6 +51,7 @@ def train(config: SFTConfig) -> Path:
     stats = compute_stats(train_data.dataset, config.max_length, train_data.dropped_rows, train_data.truncated_rows)
     train_set, eval_set = apply_packing(config, train_data.dataset, eval_data.dataset if eval_data else None, stats)
     log.info("\n%s", stats.table("Training data"))
+    warn_dropped_eval_rows(eval_data, config.max_length)
     transformers.set_seed(config.seed)  # new embedding rows are sampled: make them reproducible
     model = load_model(config, tokenizer)
     with_stop_tokens(model.generation_config, tokenizer)  # saved with each checkpoint and the final model
@@ -79,6 +80,13 @@ def train(config: SFTConfig) -> Path:
     if trainer.is_world_process_zero():
         rundir.claim(output_dir)
     return output_dir
+
+
+def warn_dropped_eval_rows(eval_data: Prepared | None, max_length: int) -> None:
+    """Say how many eval rows have nothing to score within max_length: they are left out of every evaluation."""
+    warning = eval_data.dropped_warning(max_length) if eval_data is not None else None
+    if warning:
+        log.warning(warning)
 
 
 def hint_unproven_template(formats: list[str], tokenizer: transformers.PreTrainedTokenizerBase) -> None:
@@ -261,6 +269,7 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
         _, eval_data = prepare_splits(config, tokenizer)
     if eval_data is None:
         raise SFTError("sft eval needs an eval set: set `eval_dataset`, or `eval_split_size` to hold out rows.")
+    warn_dropped_eval_rows(eval_data, config.max_length)
     model = load_model(config, tokenizer)
     trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer,
                                    eval_dataset=eval_data.dataset)
