@@ -63,3 +63,26 @@ def test_check_runs_a_user_metric_to_check_metric_for_best_model(tmp_path, monke
     if code:
         assert "'scores' is not a metric evaluation reports" in (err := capsys.readouterr().err)
         assert "Did you mean `score`?" in err
+
+
+def test_check_samples_a_local_eval_dataset(tmp_path, capsys):
+    """A local eval_dataset is checked on its own rows: `sft check` replaced it with held-out training rows, so an eval
+    file that `sft train` refuses (here question/answer columns without a `columns` mapping) passed as sound, and
+    one in another format than the training data was never rendered."""
+    from sft.check.smoke import tiny_recipe
+
+    rows = "".join(f'{{"question": "What is {n} + {n}?", "answer": "{2 * n}"}}\n' for n in range(80))
+    (tmp_path / "qa.jsonl").write_text(rows)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text((REPO / "recipes" / "quickstart.yaml").read_text().replace("eval_split_size: 0.1", "")
+                      + f"eval_dataset: {tmp_path / 'qa.jsonl'}\n")
+    assert main(["check", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert f"Dataset {tmp_path / 'qa.jsonl'} [train[:64]]: cannot tell its format from columns ['question', " \
+           "'answer']" in err
+
+    mapped = f"[{{path: {tmp_path / 'qa.jsonl'}, columns: {{question: prompt, answer: completion}}}}]"
+    _, values, report = tiny_recipe(str(recipe), ["--eval_dataset", mapped], tmp_path / "tiny")
+    assert values["eval_dataset"] == [{"path": str(tmp_path / "qa.jsonl"), "split": "train[:64]",
+                                       "columns": {"question": "prompt", "answer": "completion"}}]
+    assert not values.get("eval_split_size") and report.data.endswith(", eval_dataset too")

@@ -22,6 +22,7 @@ from transformers import (
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config.arguments import SFTConfig
+from sft.data.sources import Source, parse_sources
 from sft.errors import SFTError
 from sft.evaluation.metrics import check_best_metric
 from sft.models.families import VARLEN, guess_model_type
@@ -135,19 +136,28 @@ def single_process(config: SFTConfig, report: CheckReport) -> dict:
 
 def sample_data(config: SFTConfig, report: CheckReport) -> dict:
     """The recipe's own data when it is a local file, else the project's sample data of the declared format."""
-    from sft.data.sources import parse_sources
-
     sources = parse_sources(config.dataset)
     if all(Path(s.path).expanduser().exists() for s in sources):
         report.data = f"the recipe's own data (first {SAMPLE_ROWS} rows of each source)"
-        # "train[:64]" samples as "train[:8]": datasets cannot slice a slice
-        sliced = [{"path": s.path, "split": f"{s.split.split('[')[0]}[:{SAMPLE_ROWS}]", "columns": s.columns}
-                  for s in sources]
-        return {"dataset": sliced, "eval_dataset": None, "eval_split_size": 8}
+        held_out = {"eval_dataset": None, "eval_split_size": 8}
+        # A local eval_dataset is sampled too: replaced by held-out training rows, a file that `sft train` refuses
+        # (a format it cannot tell, a `columns` key it lacks) passed the check, and one in another format than the
+        # training data was never rendered.
+        evaluation = parse_sources(config.eval_dataset, "eval_dataset") if config.eval_dataset is not None else []
+        if evaluation and all(Path(s.path).expanduser().exists() for s in evaluation):
+            report.data += ", eval_dataset too"
+            held_out = {"eval_dataset": [_sample(s) for s in evaluation]}
+        return {"dataset": [_sample(s) for s in sources], **held_out}
     fmt = config.dataset_format if config.dataset_format != "auto" else guess_format(config)
     report.data = f"sample {fmt} data ({SAMPLES[fmt]}); the recipe's data is not reachable here"
     sample = [{"path": str(DATA / SAMPLES[fmt]), "split": f"train[:{SAMPLE_ROWS}]"}]
     return {"dataset": sample, "eval_dataset": None, "eval_split_size": 8, "dataset_format": fmt}
+
+
+def _sample(source: Source) -> dict:
+    """A local source's first SAMPLE_ROWS rows, with its column mapping."""
+    # "train[:64]" samples as "train[:8]": datasets cannot slice a slice
+    return {"path": source.path, "split": f"{source.split.split('[')[0]}[:{SAMPLE_ROWS}]", "columns": source.columns}
 
 
 def guess_format(config: SFTConfig) -> str:
