@@ -515,3 +515,18 @@ def test_an_answer_that_writes_a_stop_token_is_refused_naming_it(chatml_tok):
         ChatRenderer(chatml_tok, "chatml").render_row({"messages": messages}, "x", 4)
     messages[1]["content"] = "With < |im_end| >, then the next turn starts."  # control: not the token
     assert only(ChatRenderer(chatml_tok, "chatml").render_row({"messages": messages}, "x", 4)).spans
+
+
+def test_a_chat_runs_data_stats_are_what_sft_data_reports(tmp_path, capsys, monkeypatch):
+    """data_stats.json of a chat run left reasoning_tokens, history and split_rows null where `sft data` fills them."""
+    from sft.cli.main import main
+
+    monkeypatch.chdir(REPO)
+    flags = ["--eval_split_size", "0", "--eval_strategy", "no", "--save_strategy", "no", "--max_steps", "1",
+             "--output_dir", str(tmp_path / "run")]
+    assert main(["data", "recipes/quickstart-chat.yaml", "--json", *flags]) == 0
+    reported = json.loads(capsys.readouterr().out)
+    assert main(["train", "recipes/quickstart-chat.yaml", *flags]) == 0
+    saved = json.loads((tmp_path / "run" / "data_stats.json").read_text())
+    assert saved["history"] == "split" and isinstance(saved["reasoning_tokens"], int)
+    assert {key: saved[key] for key in reported} == reported

@@ -1,7 +1,7 @@
 """What `sft data` reports: statistics of a recipe's training data and, on request, rendered examples."""
 
 from sft.config.arguments import SFTConfig
-from sft.data.build import SourceFormat, make_renderer, prepare_splits, resolve_format
+from sft.data.build import Prepared, SourceFormat, make_renderer, prepare_splits, resolve_format
 from sft.data.encode import Encoding
 from sft.data.formats import CHAT_FORMATS, Rendered
 from sft.data.sources import load_source, parse_sources
@@ -14,11 +14,7 @@ def describe_data(config: SFTConfig, show: int = 0, color: bool = False) -> tupl
     """Training-data stats and (when show > 0) the first `show` examples with trained tokens marked."""
     tokenizer = load_tokenizer(config)
     train, _ = prepare_splits(config, tokenizer)
-    stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows,
-                          config.packing_strategy if config.packing else None)
-    if any(s.format in CHAT_FORMATS for s in train.sources) or train.reasoning_tokens or train.split_rows:
-        stats.reasoning_tokens, stats.history, stats.split_rows = (train.reasoning_tokens, config.history,
-                                                                   train.split_rows)
+    stats = training_stats(train, config, config.packing_strategy if config.packing else None)
     if not show:
         return stats, ""
     from sft.data.show import show_examples
@@ -26,6 +22,16 @@ def describe_data(config: SFTConfig, show: int = 0, color: bool = False) -> tupl
     encoder_decoder = is_encoder_decoder(config)
     examples = None if encoder_decoder else _chat_examples(config, tokenizer, show)
     return stats, show_examples(examples or train.dataset, tokenizer, show, color, encoder_decoder)
+
+
+def training_stats(train: Prepared, config: SFTConfig, packing_strategy: str | None = None) -> DataStats:
+    """The training data's statistics, with the chat fields (reasoning tokens, the history policy, split rows) for
+    chat data: what `sft data` prints and what a run writes to data_stats.json."""
+    stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows, packing_strategy)
+    if any(s.format in CHAT_FORMATS for s in train.sources) or train.reasoning_tokens or train.split_rows:
+        stats.reasoning_tokens, stats.history, stats.split_rows = (train.reasoning_tokens, config.history,
+                                                                   train.split_rows)
+    return stats
 
 
 def _chat_examples(config: SFTConfig, tokenizer, count: int) -> list[dict] | None:

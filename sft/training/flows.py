@@ -13,10 +13,11 @@ from transformers.trainer_utils import get_last_checkpoint
 from sft import rundir
 from sft.config.arguments import SFTConfig
 from sft.data.build import Prepared, prepare_splits
+from sft.data.describe import training_stats
 from sft.data.formats import CHAT_FORMATS
 from sft.data.packing import pack_dataset, pack_dataset_with_stats
 from sft.data.proven_templates import unproven_template_hint
-from sft.data.stats import DataStats, compute_stats
+from sft.data.stats import DataStats
 from sft.data.tokenizer import load_tokenizer
 from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
 from sft.evaluation.generation import with_stop_tokens
@@ -48,7 +49,7 @@ def train(config: SFTConfig) -> Path:
         train_data, eval_data = prepare_splits(config, tokenizer)  # data errors surface before the model loads
     log.info("Data formats: %s", "; ".join(map(str, train_data.sources)))
     hint_unproven_template([s.format for s in train_data.sources], tokenizer)
-    stats = compute_stats(train_data.dataset, config.max_length, train_data.dropped_rows, train_data.truncated_rows)
+    stats = training_stats(train_data, config)  # what `sft data` reports (packing stats are added below)
     train_set, eval_set = apply_packing(config, train_data.dataset, eval_data.dataset if eval_data else None, stats)
     log.info("\n%s", stats.table("Training data"))
     warn_dropped_eval_rows(eval_data, config.max_length)
