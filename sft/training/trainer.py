@@ -150,15 +150,23 @@ class SFTMixin:
         (plain cross entropy, whatever loss the Trainer returns)."""
         if TRAINED_TARGETS in inputs and not self.token_loss.chunked:  # only the chunked forward takes it
             inputs = {k: v for k, v in inputs.items() if k != TRAINED_TARGETS}
-        if model.training and not return_outputs and self._seq2seq_loss_applies(inputs):
+        training = self._is_training(model)
+        if training and not return_outputs and self._seq2seq_loss_applies(inputs):
             across = self.args.average_tokens_across_devices and num_items_in_batch is not None
             return self.token_loss.seq2seq(model, inputs, num_items_in_batch,
                                            self.accelerator.num_processes if across else 1)
         # A copy: the Trainer's LabelSmoother pops "labels" from the dict it gets, and the eval sums need them.
         result = super().compute_loss(model, dict(inputs), return_outputs, num_items_in_batch)
-        if not model.training and return_outputs and "labels" in inputs:
+        if not training and return_outputs and "labels" in inputs:
             self.eval_tokens.add(result[1], inputs, shifted=not self.token_loss.encoder_decoder)
         return result
+
+    def _is_training(self, model: nn.Module) -> bool:
+        """Whether `model` runs a training step. DeepSpeedEngine.train()/eval() switch only the module it wraps and
+        leave the engine's own `training` at True: an eval-only run under ZeRO-3 (`sft eval`, where the Trainer
+        evaluates through the engine) read as training, and its eval loss fell back to the Trainer's mean of batch
+        losses, repeated rows included (2.43 against the exact 2.22)."""
+        return self.accelerator.unwrap_model(model).training if self.is_deepspeed_enabled else model.training
 
     def _seq2seq_loss_applies(self, inputs: dict[str, Any]) -> bool:
         # Every encoder-decoder training step but a compute_loss_func's: sft's loss is the one that label-smooths.
