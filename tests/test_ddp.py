@@ -189,11 +189,13 @@ def test_two_process_padding_free_eval_loss_equals_one_process(recipe, single, t
     assert eval_loss(out) == pytest.approx(eval_loss(single), abs=1e-5)
 
 
-def test_zero3_eval_of_a_trained_model_equals_one_process(recipe, single, tmp_path):
-    # `sft eval` under ZeRO-3 evaluates through a DeepSpeedEngine built for inference, whose own `training` flag
-    # eval() leaves True: the exact eval loss (over trained tokens, repeated rows dropped) must still be the one used,
-    # not the Trainer's mean of batch losses (2.43 against 2.22 on a 12-row eval set before the fix)
+@pytest.mark.parametrize("preset", ["zero3", "zero2"])
+def test_deepspeed_eval_of_a_trained_model_equals_one_process(recipe, single, tmp_path, preset):
+    # zero3: `sft eval` evaluates through a DeepSpeedEngine built for inference, whose own `training` flag eval()
+    # leaves True: the exact eval loss (over trained tokens, repeated rows dropped) must still be the one used, not the
+    # Trainer's mean of batch losses (2.43 against 2.22 on a 12-row eval set before the fix).
+    # zero2: transformers has no ZeRO-2 inference (it stopped with a traceback); the eval runs data parallel.
     out = tmp_path / "eval"
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "sft", "eval",
-         recipe, "--model_name_or_path", single, "--distributed", "zero3", "--output_dir", out])
+         recipe, "--model_name_or_path", single, "--distributed", preset, "--output_dir", out])
     assert eval_loss(out) == pytest.approx(eval_loss(single), abs=1e-5)

@@ -27,7 +27,12 @@ from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.loading import load_model, load_model_config
 from sft.models.quantization import check_quantization
 from sft.training.checkpoints import check_same_batch, is_resumable
-from sft.training.presets import check_launcher, prepare_final_save, warn_half_precision_masters
+from sft.training.presets import (
+    check_launcher,
+    evaluation_config,
+    prepare_final_save,
+    warn_half_precision_masters,
+)
 from sft.training.recipe import save_recipe, with_model_limits
 from sft.training.report import plot_loss, write_model_card
 from sft.training.trainer import SFTMixin, trainer_class
@@ -262,6 +267,7 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
     """Teacher-forced loss and perplexity on the recipe's eval set, plus generation metrics and predictions.jsonl
     with predict_with_generate; writes eval_results.json to output_dir, replacing an earlier one only when asked."""
     out = Path(config.output_dir)
+    config = evaluation_config(config)
     check_launcher(config, "eval")
     check_eval_output(out, config.overwrite_output_dir, config.model_name_or_path)
     config = with_model_limits(config, fitted_max_length(config))

@@ -5,6 +5,7 @@ wins. The preset files live in recipes/accelerate (launcher configs) and recipes
 "auto" values the Trainer fills from the recipe).
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -231,6 +232,20 @@ def check_slurm_tasks(world_size: int, verb: str = "train") -> None:
                    "--nnodes $SLURM_NNODES --nproc_per_node GPUS_PER_NODE --rdzv_backend c10d --rdzv_endpoint "
                    f"HEAD_NODE:29500 -m sft {verb} RECIPE` (HEAD_NODE: the first of `scontrol show hostnames "
                    "$SLURM_JOB_NODELIST`), or `srun --ntasks 1` for one process.")
+
+
+def evaluation_config(config: SFTConfig) -> SFTConfig:
+    """The recipe as `sft eval` runs it. transformers evaluates without training under DeepSpeed only with ZeRO-3
+    (its ZeRO inference; below stage 3 it stops with "ZeRO inference only makes sense with ZeRO Stage 3"). ZeRO-0/1/2
+    keep whole weights on every process and shard only what training needs (gradients, optimizer states), so their
+    eval runs as plain data parallelism, with the same result; the recipe keeps ZeRO-3 and FSDP as they are."""
+    stage = zero_stage(config.deepspeed)
+    if not config.deepspeed or stage == 3:
+        return config
+    log.info("sft eval: DeepSpeed ZeRO-%s keeps whole weights on every process; evaluating without DeepSpeed.", stage)
+    resolved = dataclasses.replace(config, deepspeed=None, distributed=None)  # TrainingArguments set up again
+    resolved.recipe_keys, resolved.cpu_by_default = config.recipe_keys, config.cpu_by_default  # not init fields
+    return resolved
 
 
 def prepare_final_save(trainer: Trainer) -> None:
