@@ -5,6 +5,7 @@ wins. The preset files live in recipes/accelerate (launcher configs) and recipes
 "auto" values the Trainer fills from the recipe).
 """
 
+import base64
 import dataclasses
 import json
 import logging
@@ -58,6 +59,7 @@ def apply_distributed(values: dict) -> dict:
         values.update(fsdp_settings(values, preset))
     elif preset in DEEPSPEED_CONFIGS and values.get("deepspeed") is None:
         values["deepspeed"] = str(DEEPSPEED_CONFIGS[preset])
+    check_deepspeed_config(values.get("deepspeed"))
     check_combinations(values)
     values.update(peft_zero3_settings(values))
     return values
@@ -136,6 +138,61 @@ def recipe_wrap_classes(values: dict) -> list[str] | None:
         log.warning("%s FSDP will wrap the model's _no_split_modules.", err)
         return None
     return wrap_classes(config)
+
+
+def check_deepspeed_config(deepspeed: dict | str | None) -> None:
+    """Refuse a DeepSpeed config that cannot be read or that DeepSpeed would reject, naming the file and the key,
+    before any data or weights load. TrainingArguments reported a bad JSON file as "Invalid recipe: Expecting property
+    name ..." (no file, no key), a directory or a JSON list with a traceback, and an unknown or mistyped
+    zero_optimization key only once the model loaded, as "Could not load the model ...: 1 validation error"."""
+    if not deepspeed:
+        return
+    where = "deepspeed" if isinstance(deepspeed, dict) else f"deepspeed: {deepspeed}"
+    if isinstance(deepspeed, str):
+        path = Path(deepspeed).expanduser()
+        inline = None if path.exists() else _inline_json(deepspeed)
+        if inline is not None:
+            deepspeed, where = inline, "deepspeed"
+        elif not path.exists():
+            raise SFTError(f"{where} does not exist. Give the path of a DeepSpeed JSON config, or a `distributed` "
+                           f"preset ({', '.join(DEEPSPEED_CONFIGS)}).")
+        else:
+            try:
+                deepspeed = json.loads(path.read_text(encoding="utf-8"))
+            except OSError as err:  # a folder, no permission
+                raise SFTError(f"{where} could not be read: {err.strerror or err}. Give the path of a DeepSpeed JSON "
+                               "config file.") from None
+            except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
+                raise SFTError(f"{where} is not valid JSON: {err}.") from None
+    if not isinstance(deepspeed, dict):
+        raise SFTError(f"{where} must hold a JSON object of DeepSpeed settings, got a {type(deepspeed).__name__}.")
+    zero = deepspeed.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise SFTError(f"{where}: zero_optimization must be an object of ZeRO settings, got {zero!r}.")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**zero)  # DeepSpeed's own check of the section, as it runs when the engine is built
+    except ValidationError as err:
+        # "auto" values are filled from the recipe by the Trainer before DeepSpeed sees them
+        problems = [f"zero_optimization.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})"
+                    for e in err.errors() if e.get("input") != "auto"]
+        if problems:
+            raise SFTError(f"{where}: {'; '.join(problems)}. See DeepSpeed's ZeRO configuration "
+                           "(https://www.deepspeed.ai/docs/config-json/#zero-optimizations-for-fp16-training).") from None
+
+
+def _inline_json(text: str) -> dict | None:
+    """`text` as a JSON object, written out or base64-encoded (TrainingArguments takes a DeepSpeed config either way
+    besides a path), else None."""
+    for decode in (lambda: text, lambda: base64.urlsafe_b64decode(text).decode("utf-8")):
+        try:
+            value = json.loads(decode())
+        except ValueError:  # json.JSONDecodeError, binascii.Error, UnicodeDecodeError
+            continue
+        return value if isinstance(value, dict) else None
+    return None
 
 
 def zero_stage(deepspeed: dict | str | None) -> int | None:
