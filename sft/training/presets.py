@@ -179,8 +179,8 @@ def check_deepspeed_config(deepspeed: dict | str | None) -> None:
         problems = [f"zero_optimization.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})"
                     for e in err.errors() if e.get("input") != "auto"]
         if problems:
-            raise SFTError(f"{where}: {'; '.join(problems)}. See DeepSpeed's ZeRO configuration "
-                           "(https://www.deepspeed.ai/docs/config-json/#zero-optimizations-for-fp16-training).") from None
+            raise SFTError(f"{where}: {'; '.join(problems)}. See DeepSpeed's ZeRO configuration (https://"
+                           "www.deepspeed.ai/docs/config-json/#zero-optimizations-for-fp16-training).") from None
 
 
 def _inline_json(text: str) -> dict | None:
