@@ -64,7 +64,8 @@ def launch(args: list, nproc: int = 2) -> subprocess.CompletedProcess:
     """Run `torchrun --standalone --nproc_per_node N args...`."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # the processes share the cores
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # this checkout's sft first
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}  # processes share cores
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     result.command = shlex.join(command)
     return result
@@ -147,6 +148,28 @@ def test_zero3_lora_saves_a_non_empty_reloadable_adapter(recipe, tmp_path, tiny_
     assert set(reloaded) == set(weights)
     for name, tensor in reloaded.items():
         assert torch.equal(tensor, weights[name]), name
+
+
+def test_zero3_lora_trains_and_saves_the_rows_of_tokens_a_chat_template_adds(recipe, tmp_path):
+    """The llama3 template adds 4 tokens, whose rows the adapter trains (peft trainable tokens). Under ZeRO-3 peft
+    reads their starting rows into a buffer it builds on CUDA, so on CPU the run died building the adapter ("Torch
+    not compiled with CUDA enabled"); it must train as one process does and save the trained rows."""
+    chat = [{"messages": [{"role": "user", "content": row["instruction"]},
+                          {"role": "assistant", "content": row["output"]}]} for row in ROWS]
+    flags = ["--dataset", str(write_json(tmp_path / "chat.jsonl", chat, jsonl=True)), "--dataset_format", "messages",
+             "--chat_template", "llama3", "--use_peft", "true", "--lora_dropout", "0.0", "--max_steps", "1",
+             "--save_strategy", "no"]
+    run = tmp_path / "zero3"
+    torchrun([PROBE, "train", recipe, "--output_dir", run, *flags])
+    single = tmp_path / "single"
+    train(load_recipe(recipe, flags + ["--distributed", "null"], per_device_train_batch_size=4, output_dir=str(single)))
+    assert abs(step_losses(run)[0] - step_losses(single)[0]) < 1e-4
+    adapter, expected = load_file(run / "adapter_model.safetensors"), load_file(single / "adapter_model.safetensors")
+    rows = {name: tensor for name, tensor in adapter.items() if "trainable_tokens_delta" in name}
+    assert {name.split(".token_adapter")[0].rsplit(".", 1)[-1] for name in rows} == {"embed_tokens", "lm_head"}
+    assert set(adapter) == set(expected)
+    for name, tensor in rows.items():
+        assert tensor.shape == (4, 32) and torch.allclose(tensor, expected[name], atol=1e-4), name
 
 
 @pytest.mark.gpu

@@ -1,11 +1,14 @@
 """LoRA / DoRA / rsLoRA adapters from a recipe (peft), and the preparation a quantized base needs (QLoRA)."""
 
+import contextlib
 import difflib
 import functools
 import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from peft import (
     LoraConfig,
     PeftConfig,
@@ -13,9 +16,12 @@ from peft import (
     get_peft_model,
     prepare_model_for_kbit_training,
 )
+from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+from peft.utils.integrations import gather_params_ctx
 from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
@@ -116,7 +122,8 @@ def add_adapter(model: PreTrainedModel, config: SFTConfig, new_token_ids: list[i
     # peft keeps adapter weights (DoRA magnitudes included) in float32 even on a bf16 base; never downcast
     # them: bf16 rounds the small updates of DoRA magnitudes to zero and silently freezes them.
     try:
-        peft_model = get_peft_model(model, lora_config(config, model, new_rows))
+        with token_rows_gathered_on_any_device():
+            peft_model = get_peft_model(model, lora_config(config, model, new_rows))
     except ValueError as err:  # e.g. a target module name the model does not have
         raise SFTError(f"Cannot add the LoRA adapter: {str(err).splitlines()[0]} Check lora_target_modules and "
                        "lora_modules_to_save against the model's module names (e.g. q_proj, v_proj).") from None
@@ -127,6 +134,34 @@ def add_adapter(model: PreTrainedModel, config: SFTConfig, new_token_ids: list[i
         peft_model.peft_config["default"].base_model_name_or_path = str(Path(model.name_or_path).resolve())
     log_trainable_parameters(peft_model)
     return peft_model
+
+
+@contextlib.contextmanager
+def token_rows_gathered_on_any_device() -> Iterator[None]:
+    """Let peft set up trainable new-token rows under ZeRO-3 without CUDA (CPU gloo runs: `sft check --prove`, the
+    CPU test-suite; other accelerators).
+
+    Under ZeRO-3 peft 0.21 reads the new tokens' starting rows into a buffer it builds on CUDA whatever the device
+    (TrainableTokensLayer._collect_token_weights: "right now, only CUDA is implemented"), so a LoRA run whose chat
+    template adds tokens died on CPU with "Torch not compiled with CUDA enabled" while the adapter was built. Every
+    rank gathers the whole embedding there (modifier_rank=None), so each can take the rows itself, on any device.
+    """
+    if not is_deepspeed_zero3_enabled() or torch.cuda.is_available():
+        yield  # peft's own code, on the device it was written for
+        return
+    original = TrainableTokensLayer._collect_token_weights
+    TrainableTokensLayer._collect_token_weights = _gathered_token_rows
+    try:
+        yield
+    finally:
+        TrainableTokensLayer._collect_token_weights = original
+
+
+def _gathered_token_rows(self: TrainableTokensLayer, weight: torch.Tensor, rows: list[int],
+                         embed_dim: int) -> torch.Tensor:
+    """The ZeRO-3-partitioned `weight`'s `rows`, identical on every rank (see token_rows_gathered_on_any_device)."""
+    with gather_params_ctx([weight], modifier_rank=None):
+        return weight[rows].clone()
 
 
 def check_module_names(model: PreTrainedModel, config: SFTConfig) -> None:
@@ -281,7 +316,8 @@ def load_saved_adapter(model: PreTrainedModel, folder: str | Path, is_trainable:
         base_origin: where the base's name came from, for the message (e.g. " (--base_model)").
     """
     try:
-        return PeftModel.from_pretrained(model, str(folder), is_trainable=is_trainable)
+        with token_rows_gathered_on_any_device():
+            return PeftModel.from_pretrained(model, str(folder), is_trainable=is_trainable)
     except (ValueError, RuntimeError) as err:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         # load_state_dict's message starts with a header line; its first "size mismatch" line says what differs
