@@ -5,16 +5,24 @@ import os
 import shutil
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerState
 
 from sft import SFTConfig, SFTTrainer, load_recipe, rundir
 from sft.cli.main import main
 from sft.errors import SFTError
-from sft.training.checkpoints import BATCH_KEY, LOSS_KEY, check_same_batch, is_resumable
+from sft.training.checkpoints import (
+    BATCH_KEY,
+    LOSS_KEY,
+    CheckpointStaging,
+    check_same_batch,
+    is_resumable,
+    staging_root,
+)
 
 from conftest import REPO, make_llama
 
@@ -88,6 +96,21 @@ def saved(folder: Path, *entries: str) -> Path:
     for entry in entries:
         (folder / entry).mkdir() if entry.endswith("/") else (folder / entry).write_bytes(b"")
     return folder
+
+
+@pytest.mark.parametrize("main_process", [True, False])
+def test_every_rank_finds_the_best_checkpoint_where_it_was_promoted(tmp_path, main_process):
+    """The Trainer records the best checkpoint under the staging folder; the main process renames it into place. Other
+    ranks kept the staging path, gone by the end of training: with load_best_model_at_end a ZeRO-3 run failed on rank 1
+    ("Can't find a valid checkpoint at .../.staging-2/checkpoint-2"), and under DDP rank 1 kept its last weights, so
+    the final eval mixed two models (10.00 against the best checkpoint's 11.71)."""
+    staged = staging_root(tmp_path, 2) / "checkpoint-2"
+    staged.mkdir(parents=True)
+    state = TrainerState(global_step=2, best_model_checkpoint=str(staged))
+    args = SimpleNamespace(should_save=main_process, save_total_limit=None)
+    CheckpointStaging(SimpleNamespace(wait_for_everyone=lambda: None)).finish(str(tmp_path), state, args)
+    assert state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    assert (tmp_path / "checkpoint-2").is_dir() == main_process  # only the main process renames
 
 
 @pytest.mark.parametrize("optimizer", ["optimizer.pt", "optimizer.bin", "optimizer_0/", "global_step3/"])

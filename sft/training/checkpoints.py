@@ -119,11 +119,13 @@ class CheckpointStaging:
         """Rename the complete checkpoint into place and rotate old ones (main process), ranks in step."""
         step = state.global_step
         self.accelerator.wait_for_everyone()  # every rank has written its shard
+        best = state.best_model_checkpoint
+        if best and best.startswith(str(staging_root(run_dir, step))):
+            # On every rank: each loads the best model from there at the end (load_best_model_at_end; ZeRO-3 ranks
+            # their own shards), and the staging folder is gone by then.
+            state.best_model_checkpoint = str(Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}")
         if args.should_save:
-            final = promote(run_dir, step)
-            best = state.best_model_checkpoint
-            if best and best.startswith(str(staging_root(run_dir, step))):
-                state.best_model_checkpoint = str(final)
+            promote(run_dir, step)
             rotate(run_dir, args.save_total_limit, state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
 
