@@ -99,6 +99,10 @@ def trained_tokens(out: Path) -> list[int]:
     return [entry["trained_tokens"] for entry in history if "trained_tokens" in entry]
 
 
+def total_flos(out: Path) -> float:
+    return json.loads((out / "train_results.json").read_text())["total_flos"]
+
+
 def eval_loss(out: Path) -> float:
     return json.loads((out / "eval_results.json").read_text())["eval_loss"]
 
@@ -172,12 +176,15 @@ def test_sft_launch_is_data_parallel_and_equals_one_process(recipe, single, tmp_
     assert eval_loss(out) == pytest.approx(eval_loss(single), abs=1e-5)
 
 
-def test_zero3_with_the_chunked_loss_equals_one_process(recipe, single, tmp_path):
+def test_zero3_with_the_chunked_loss_equals_one_process(recipe, single, ddp_run, tmp_path):
     out = tmp_path / "zero3"
     run(torchrun("train", recipe, "--output_dir", out, "--distributed", "zero3"))
     assert_data_parallel(out, "DeepSpeedEngine")
     assert max_weight_difference(out, single) < 1e-5
     assert eval_loss(out) == pytest.approx(eval_loss(single), abs=1e-5)
+    # the same batches on each rank as DDP: the same FLOPs, with partitioned parameters counted at their full size
+    # (the Trainer counted only the norms ZeRO-3 keeps whole, about 1/1000 of it)
+    assert total_flos(out) == total_flos(ddp_run)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
