@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 import yaml
+from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from test_template_masks import FAMILIES
 from transformers import GenerationConfig
@@ -25,6 +26,7 @@ from sft.check.prove.generation import prove_generation
 from sft.check.prove.masks import check_chat_row, prove_masks
 from sft.check.prove.result import Proof
 from sft.check.prove.runs import prove_resume, prove_save_load, save_like_train
+from sft.check.prove.sharded import reloaded
 from sft.cli.main import main
 from sft.data.chat import ChatRenderer
 from sft.data.chat_templates import PRESETS, stop_token_ids
@@ -34,7 +36,7 @@ from sft.errors import SFTError
 from sft.evaluation.predict import Example
 from sft.training.trainer import SFTTrainer
 
-from conftest import EMBEDDED_MODEL, FIXTURES, REPO
+from conftest import EMBEDDED_MODEL, FIXTURES, REPO, make_llama
 
 # A LoRA chat recipe on the embedded model that uses every proof: packing, accumulation, dropout after the resume
 # point, an adapter to save and merge, generation eval.
@@ -129,6 +131,19 @@ def test_save_load_fails_for_an_adapter_saved_without_its_weights(bench):
 
     proof = prove_save_load(bench, save_empty_adapter)
     assert proof.passed is False and "different logits" in proof.evidence
+
+
+def test_the_sharded_proof_compares_every_tensor_an_adapter_trains(tmp_path):
+    """A ZeRO checkpoint holds every trained tensor: the LoRA matrices, the rows of tokens a chat template added and
+    modules_to_save. Reading back the LoRA matrices alone, a LoRA recipe whose template adds tokens FAILed on zero3
+    ("28/30 trained tensors saved bitwise", the 2 rows tensors "wrong") though they were saved."""
+    config = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["norm"],
+                        trainable_token_indices={"embed_tokens": [30, 31]})
+    model = get_peft_model(make_llama(32), config)
+    (tmp_path / "adapter_config.json").write_text("{}")  # an adapter folder
+    read = reloaded(tmp_path, SimpleNamespace(model=lambda config: model, config=lambda **changes: None))
+    assert set(read) == {name for name, param in model.named_parameters() if param.requires_grad}
+    assert any("trainable_tokens_delta" in name for name in read) and any(".modules_to_save." in name for name in read)
 
 
 def test_generation_fails_when_the_prompt_builder_leaks_the_reference(bench, monkeypatch):

@@ -17,6 +17,9 @@ from sft.training.recipe import save_recipe
 PROCESSES = 2
 STEPS = 2
 RUNS_ON_CPU = ("ddp", "zero2", "zero3", "zero3_offload")
+# What an adapter trains, by parameter name: LoRA matrices (DoRA magnitudes too), the rows of tokens the run added
+# (peft trainable tokens) and whole modules in lora_modules_to_save; everything else is the frozen base.
+ADAPTER_PARAMETERS = ("lora_", "trainable_tokens_delta", "modules_to_save.")
 
 
 def prove_sharded_save(bench: Bench) -> tuple[bool | None, str]:
@@ -72,8 +75,10 @@ def checkpoint_weights(checkpoint: Path, preset: str, bench: Bench) -> dict[str,
 
 
 def reloaded(folder: Path, bench: Bench) -> dict[str, torch.Tensor]:
-    """A saved model's state, or an adapter's LoRA weights, as sft loads them back."""
+    """A saved model's state, or the weights an adapter trains (ADAPTER_PARAMETERS), as sft loads them back. Not the
+    LoRA matrices alone: a ZeRO checkpoint holds every trained tensor, and new tokens' rows or modules_to_save
+    missing here read as not saved (a LoRA recipe whose chat template adds tokens FAILed on zero3: 28/30)."""
     model = bench.model(bench.config(model_name_or_path=str(folder)))
     if is_adapter_folder(folder):
-        return {k: p.detach() for k, p in model.named_parameters() if "lora_" in k}
+        return {k: p.detach() for k, p in model.named_parameters() if any(part in k for part in ADAPTER_PARAMETERS)}
     return {k: v.detach() for k, v in model.state_dict().items()}
