@@ -1,5 +1,6 @@
 """Distributed presets as configuration: wrap classes, preset files, Alpaca FSDP flags, refusals, sft launch."""
 
+import base64
 import json
 import shlex
 
@@ -19,6 +20,8 @@ from sft.training.presets import (
     PRESETS,
     check_launcher,
     check_slurm_tasks,
+    evaluation_config,
+    zero_stage,
 )
 from sft.training.recipe import FIELDS, load_recipe, resolved_recipe
 
@@ -221,6 +224,16 @@ def test_peft_on_zero3_uses_reentrant_checkpointing():
     assert peft.activation_checkpointing_kwargs == {"use_reentrant": True}
     full = load_recipe({"distributed": "zero3", "activation_checkpointing": True, "use_cpu": True})
     assert full.activation_checkpointing_kwargs is None  # transformers' non-reentrant default
+
+
+def test_a_base64_deepspeed_config_is_read_like_its_file():
+    """TrainingArguments also takes the DeepSpeed config base64-encoded; its stage was unread (None), so PEFT on it got
+    no reentrant checkpointing, and sft eval would have evaluated a ZeRO-3 recipe unsharded."""
+    text = base64.urlsafe_b64encode(DEEPSPEED_CONFIGS["zero3"].read_bytes()).decode()
+    config = load_recipe({"deepspeed": text, "use_peft": True, "activation_checkpointing": True, "use_cpu": True})
+    assert zero_stage(config.deepspeed) == 3
+    assert config.activation_checkpointing_kwargs == {"use_reentrant": True}
+    assert evaluation_config(config) is config  # sft eval keeps ZeRO-3
 
 
 def test_qlora_with_zero3_is_refused_before_the_model_loads(tmp_path, capsys):

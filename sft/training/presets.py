@@ -150,10 +150,11 @@ def check_deepspeed_config(deepspeed: dict | str | None) -> None:
     where = "deepspeed" if isinstance(deepspeed, dict) else f"deepspeed: {deepspeed}"
     if isinstance(deepspeed, str):
         path = Path(deepspeed).expanduser()
-        inline = None if path.exists() else _inline_json(deepspeed)
+        # os.path.exists, not Path.exists: a base64 config longer than a file name raises ENAMETOOLONG there
+        inline = None if os.path.exists(path) else _inline_json(deepspeed)
         if inline is not None:
             deepspeed, where = inline, "deepspeed"
-        elif not path.exists():
+        elif not os.path.exists(path):
             raise SFTError(f"{where} does not exist. Give the path of a DeepSpeed JSON config, or a `distributed` "
                            f"preset ({', '.join(DEEPSPEED_CONFIGS)}).")
         else:
@@ -196,12 +197,15 @@ def _inline_json(text: str) -> dict | None:
 
 
 def zero_stage(deepspeed: dict | str | None) -> int | None:
-    """The ZeRO stage of a DeepSpeed config (dict or JSON path); None when unset or unreadable."""
-    if isinstance(deepspeed, str):
+    """The ZeRO stage of a DeepSpeed config (dict, JSON path, or the base64 JSON TrainingArguments also takes); None
+    when unset or unreadable."""
+    if isinstance(deepspeed, str) and not os.path.exists(os.path.expanduser(deepspeed)):
+        deepspeed = _inline_json(deepspeed)
+    elif isinstance(deepspeed, str):
         try:
-            deepspeed = json.loads(Path(deepspeed).read_text(encoding="utf-8"))
+            deepspeed = json.loads(Path(deepspeed).expanduser().read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return None  # TrainingArguments reports a missing or malformed file
+            return None  # check_deepspeed_config reports an unreadable file
     if not isinstance(deepspeed, dict):
         return None
     return deepspeed.get("zero_optimization", {}).get("stage")
