@@ -272,8 +272,8 @@ class SFTMixin:
         self.state.stateful_callbacks.pop(STATE_KEY, None)
         self.state.stateful_callbacks.pop(BATCH_KEY, None)
         self.resumed_loss_sum = (self.state.stateful_callbacks.pop(LOSS_KEY, None) or {}).get("loss_sum")
-        saved = self.state.stateful_callbacks.get(type(self.early_stopping).__name__)
-        if self.early_stopping is not None and isinstance(saved, dict):  # restored only with every callback's else
+        saved = self.state.stateful_callbacks.get(EarlyStoppingCallback.__name__)  # saved by the Trainer itself
+        if self.early_stopping is not None and isinstance(saved, dict):
             self.early_stopping.early_stopping_patience_counter = saved["attributes"]["early_stopping_patience_counter"]
         super()._load_callback_state()
 
