@@ -121,7 +121,7 @@ def check_reporting(report_to: list[str] | None) -> None:
 def check_eval_plan(config: SFTConfig) -> None:
     """Evaluating during training needs eval data; say so now rather than when the Trainer is built."""
     has_eval = config.eval_dataset is not None or bool(config.eval_split_size)
-    if str(getattr(config.eval_strategy, "value", config.eval_strategy)) != "no" and not has_eval:
+    if option(config.eval_strategy) != "no" and not has_eval:
         raise SFTError(f"eval_strategy is {getattr(config.eval_strategy, 'value', config.eval_strategy)} but the "
                        "recipe has no eval data: set `eval_dataset`, or `eval_split_size` (e.g. 0.1), or "
                        "eval_strategy: 'no'.")
@@ -131,9 +131,9 @@ def check_best_saves(config: SFTConfig) -> None:
     """save_strategy: best saves a checkpoint at each evaluation that improves metric_for_best_model. Without
     evaluations during training it would silently save none; without the metric the Trainer raises when it is built,
     after tokenization and model loading (load_best_model_at_end alone gets "loss" from TrainingArguments)."""
-    if str(getattr(config.save_strategy, "value", config.save_strategy)) != "best":
+    if option(config.save_strategy) != "best":
         return
-    if str(getattr(config.eval_strategy, "value", config.eval_strategy)) == "no":
+    if option(config.eval_strategy) == "no":
         raise SFTError("save_strategy is best, which saves a checkpoint when an evaluation improves "
                        "metric_for_best_model, but eval_strategy is 'no', so no checkpoint would ever be saved. Set "
                        "eval_strategy: steps (with eval_steps) or epoch, or save_strategy: steps or epoch.")
@@ -146,8 +146,7 @@ def check_best_saves(config: SFTConfig) -> None:
 def check_early_stopping(config: SFTConfig) -> None:
     """Early stopping compares evaluations made during training: without any it would never stop (the Trainer's
     callback asserts, after tokenization and model loading)."""
-    if config.early_stopping_patience is not None and str(getattr(config.eval_strategy, "value",
-                                                                   config.eval_strategy)) == "no":
+    if config.early_stopping_patience is not None and option(config.eval_strategy) == "no":
         raise SFTError(f"early_stopping_patience is {config.early_stopping_patience}, which stops training when "
                        "evaluations stop improving, but eval_strategy is 'no'. Set eval_strategy: steps (with "
                        "eval_steps) or epoch, and eval data (eval_split_size or eval_dataset).")
@@ -208,3 +207,8 @@ def takes_only_numbers(param: inspect.Parameter) -> bool:
         return isinstance(param.default, (int, float)) and not isinstance(param.default, bool)
     annotation = str(param.annotation)
     return ("float" in annotation or "int" in annotation) and "str" not in annotation
+
+
+def option(value: object) -> str:
+    """A TrainingArguments choice (an enum once TrainingArguments has set up, else the recipe's text) as text."""
+    return str(getattr(value, "value", value))

@@ -80,13 +80,16 @@ def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, b
                  device: str, dequantize: bool = False) -> PeftModel:
     """The adapter in `folder` on its base model, quantized as in training unless `dequantize`."""
     # a local path that is not there (a typo, or a base moved since training) is named as such, not as a bad Hub id
-    name = (check_model_reference(base_model, "--base_model") if base_model else
-            check_model_reference(base_model_name(folder), f"base_model_name_or_path in {folder / ADAPTER_CONFIG} (or "
-                                  "pass --base_model)"))
+    hint = "Check the path or Hub id and network access"
+    if base_model:
+        name, origin = check_model_reference(base_model, "--base_model"), " (--base_model)"
+    else:
+        config_file = folder / ADAPTER_CONFIG
+        name = check_model_reference(base_model_name(folder), f"base_model_name_or_path in {config_file} (or pass "
+                                     "--base_model)")
+        origin = f" (the base model named in {config_file})"
+        hint += ", or pass --base_model with a local copy"
     log.info("Loading the base model %s for the adapter in %s", name, folder)
-    origin = " (--base_model)" if base_model else f" (the base model named in {folder / ADAPTER_CONFIG})"
-    hint = "Check the path or Hub id and network access" + ("" if base_model else
-                                                             ", or pass --base_model with a local copy")
     base = load_pretrained(name, dtype, device, run_quantization(folder), origin, hint)
     if dequantize and is_quantized(base):
         base = base.dequantize(dtype=DTYPES.get(dtype))

@@ -63,8 +63,8 @@ def packed_padding(inputs: dict[str, Any], pad_token_id: int | None) -> torch.Te
     its end (positions from 0) of pad ids and no labels; a real example always has a token that is not padding or
     a label. Tensor ops on the batch's device: no wait for the GPU."""
     ids, positions, labels = inputs["input_ids"], inputs.get("position_ids"), inputs.get("labels")
-    if pad_token_id is None or positions is None or labels is None or ids.dim() != 2:
-        return 0
+    if pad_token_id is None or positions is None or labels is None or ids.dim() != 2 or ids.shape[0] == 1:
+        return 0  # one row (padding-free, or a single packed row) is as wide as itself: no padding
     index = torch.arange(ids.shape[1], device=ids.device)
     last = index >= torch.where(positions == 0, index, 0).amax(dim=1, keepdim=True)  # each row's last example
     padded = ~(last & ((ids != pad_token_id) | (labels != IGNORE_INDEX))).any(dim=1)

@@ -16,7 +16,6 @@ Plain formats: the decoded trained tokens are the row's answer column, ending in
 """
 import json
 import random
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -26,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from sft.check.prove.bench import Bench
 from sft.check.prove.result import Proof
-from sft.data.chat import common_prefix, complement
+from sft.data.chat import THINK, common_prefix, complement
 from sft.data.chat_templates import stop_token_ids
 from sft.data.encode import IGNORE_INDEX
 from sft.data.formats import CHAT_FORMATS
@@ -35,7 +34,6 @@ from sft.data.messages import conversation as read_conversation
 from sft.data.show import show_examples
 from sft.models.loading import generation_eos
 
-THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # a reasoning block written in the content
 ANSWER = {"alpaca": "output", "prompt_completion": "completion", "seq2seq": "target", "text": "text"}
 
 
