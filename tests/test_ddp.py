@@ -65,11 +65,13 @@ def single(recipe, tmp_path_factory) -> Path:
     return one_process(recipe, tmp_path_factory.mktemp("single") / "run", accumulation=2)
 
 
-def run(command: list) -> None:
+def run(command: list) -> str:
+    """Runs the command; returns its stdout and stderr together."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # this checkout's sft first
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
     result = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{shlex.join(map(str, command))}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result.stdout + result.stderr
 
 
 def torchrun(*args) -> list:
@@ -110,8 +112,18 @@ def eval_loss(out: Path) -> float:
 @pytest.fixture(scope="module")
 def ddp_run(recipe, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("torchrun") / "run"
-    run(torchrun("train", recipe, "--output_dir", out))  # no --use_cpu: resolved because no GPU is visible
+    console = run(torchrun("train", recipe, "--output_dir", out))  # no --use_cpu: resolved because no GPU is visible
+    (out.parent / "console.txt").write_text(console)
     return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
+def test_torchrun_prints_sft_tables_notes_and_loading_bars_once(ddp_run):
+    """Both ranks prepare the data and load the model; only rank 0 says so."""
+    console = (ddp_run.parent / "console.txt").read_text()
+    assert console.count("Training data") == 1 and console.count("Data formats:") == 1
+    assert console.count("Done. Model, tokenizer") == 1
+    assert console.count("Loading weights: 100%") == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")

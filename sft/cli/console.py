@@ -9,10 +9,20 @@ from sft.errors import SFTError
 
 
 def setup_logging() -> None:
-    """Readable INFO logs from sft and transformers' Trainer."""
+    """Readable INFO logs from sft and transformers' Trainer, from one process. Under a launcher every rank
+    prepares the same data and loads the same model, so the other ranks (RANK > 0, set by torchrun, accelerate
+    and deepspeed) would print each table, note and warning and each loading bar once more per process; they log
+    sft's errors only and show no progress bars (the Trainer already keeps its own logs to the main process)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    logging.getLogger("sft").setLevel(logging.INFO)
+    replica = os.environ.get("RANK", "0") not in ("", "0")
+    logging.getLogger("sft").setLevel(logging.ERROR if replica else logging.INFO)
+    if replica:
+        import datasets
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # "Loading weights", "Writing model shards"
+        datasets.disable_progress_bars()
 
 
 def quiet_optional_backends() -> None:
