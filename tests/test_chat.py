@@ -19,13 +19,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from sft.data.chat import ChatRenderer
-from sft.data.chat_templates import (
-    EOS,
-    PRESETS,
-    message_delimiters,
-    prepare_tokenizer_for_template,
-    resolve_chat_template,
-)
+from sft.data.chat_templates import EOS, PRESETS, prepare_tokenizer_for_template, resolve_chat_template
+from sft.data.stops import message_delimiters, stop_tokens
 from sft.data.encode import Encoding
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT, detect_format, row_renderer
 from sft.data.show import show_examples
@@ -530,3 +525,31 @@ def test_a_chat_runs_data_stats_are_what_sft_data_reports(tmp_path, capsys, monk
     saved = json.loads((tmp_path / "run" / "data_stats.json").read_text())
     assert saved["history"] == "split" and isinstance(saved["reasoning_tokens"], int)
     assert {key: saved[key] for key in reported} == reported
+
+
+# Each fixture model's generation_config.json eos_token_id as published on the Hub (not part of the fixtures).
+PUBLISHED_GENERATION_EOS = {
+    "meta-llama-3-8b-instruct": [128001, 128009], "llama-3.2-3b-instruct": [128001, 128008, 128009],
+    "mistral-7b-instruct-v0.1": 2, "mistral-7b-instruct-v0.2": 2, "mistral-7b-instruct-v0.3": 2,
+    "zephyr-7b-beta": 2, "tinyllama-1.1b-chat-v1.0": 2, "phi-3-mini-4k-instruct": [32000, 32001, 32007],
+    "qwen2.5-coder-3b-instruct": [151645, 151643],
+}
+
+
+@needs_fixtures
+@pytest.mark.parametrize("name", sorted(PUBLISHED_GENERATION_EOS))
+def test_each_model_s_own_generation_stops_are_special_tokens_of_its_tokenizer(name):
+    tok = fixture_tokenizer(name)
+    stops = stop_tokens(tok, None, PUBLISHED_GENERATION_EOS[name])
+    assert FIXTURE_END_OF_TURN[name] in stops
+
+
+@needs_fixtures
+@pytest.mark.parametrize("model,tokenizer,read", [
+    ("qwen2.5-coder-3b-instruct", LLAMA3[0], "lacks (it has 128256 tokens)"),  # was a TypeError traceback
+    (LLAMA3[0], "qwen2.5-coder-3b-instruct", "reads as the ordinary token"),  # trained "ĠAdj"-like pieces as stops
+    ("phi-3-mini-4k-instruct", "mistral-7b-instruct-v0.1", "lacks (it has 32000 tokens)")])
+def test_another_model_s_tokenizer_is_refused_at_the_generation_config_s_stop_ids(model, tokenizer, read):
+    with pytest.raises(SFTError, match="the tokenizer is not this model's") as error:
+        stop_tokens(fixture_tokenizer(tokenizer), None, PUBLISHED_GENERATION_EOS[model])
+    assert read in str(error.value) and "leave tokenizer_name_or_path unset" in str(error.value)

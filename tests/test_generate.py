@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from sft import SFTError, load_recipe, train
 from sft.cli import chat
 from sft.cli.main import main
-from sft.data.chat_templates import stop_token_ids
+from sft.data.stops import stop_token_ids
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT
 from sft.evaluation import generation
 from sft.evaluation.generation import GenerationOptions, render_prompt

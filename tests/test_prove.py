@@ -29,7 +29,8 @@ from sft.check.prove.runs import prove_resume, prove_save_load, save_like_train
 from sft.check.prove.sharded import reloaded
 from sft.cli.main import main
 from sft.data.chat import ChatRenderer
-from sft.data.chat_templates import PRESETS, stop_token_ids
+from sft.data.chat_templates import PRESETS
+from sft.data.stops import stop_token_ids
 from sft.data.encode import Encoding
 from sft.data.proven_templates import unproven_template_hint
 from sft.errors import SFTError

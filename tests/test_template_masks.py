@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sft.data.chat import ChatRenderer
-from sft.data.chat_templates import message_delimiters
+from sft.data.stops import message_delimiters
 from sft.data.encode import Encoding
 from sft.errors import SFTError
 
@@ -497,7 +497,7 @@ def test_real_tool_call_data_trains_calls_and_answers_never_results(name):
 
 
 def test_stop_tokens_come_from_eos_and_the_generation_config():
-    from sft.data.chat_templates import stop_tokens
+    from sft.data.stops import stop_tokens
 
     tok, stops = family_tokenizer("cohere2")
     assert stop_tokens(tok, None, stops) == stop_tokens(tok) == ["<|END_OF_TURN_TOKEN|>"]  # not <|END_RESPONSE|>

@@ -6,7 +6,7 @@ prompt/completion; `train: false` or `weight: 0` marks context).
 The rule, for every template: a trained assistant turn i is exactly what the model must generate after the
 generation prompt. Its text is the rendering F of messages[:i+1]; it starts where P = render(messages[:i],
 add_generation_prompt=True) ends (where P is not a prefix of F, where the two first differ) and runs through the
-first stop token after that (sft.data.chat_templates.stop_tokens: the tokenizer's EOS and the generation config's EOS
+first stop token after that (sft.data.stops.stop_tokens: the tokenizer's EOS and the generation config's EOS
 list). Role headers inside P are context; think blocks, channel headers and tool-call markup after it are trained.
 When F ends the turn without a stop token (GLM ends turns with the next role tag), the stop token the template
 writes when the conversation goes on is appended. Where the turn renders the same inside the whole conversation,
@@ -24,15 +24,8 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from sft.config.names import HISTORY, NO_ASSISTANT_TURN
-from sft.data.chat_templates import (
-    PRESETS,
-    REASONING_TAGS,
-    TEMPLATE_ERRORS,
-    message_delimiters,
-    resolve_chat_template,
-    stop_tokens,
-    tokens_not_in_vocab,
-)
+from sft.data.chat_templates import PRESETS, REASONING_TAGS, TEMPLATE_ERRORS, resolve_chat_template, tokens_not_in_vocab
+from sft.data.stops import message_delimiters, stop_tokens
 from sft.data.formats import Rendered
 from sft.data.messages import Message, Row, conversation
 from sft.data.template_inputs import TemplateInputs

@@ -14,7 +14,7 @@ from transformers import (
     TextStreamer,
 )
 
-from sft.data.chat_templates import stop_token_ids
+from sft.data.stops import stop_token_ids
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT
 from sft.errors import SFTError
 

@@ -4,7 +4,7 @@ the token generation stops on.
 The expected mask is derived here, not read back from the encoder. Chat rows: from the chat template's own
 renderings, answer i starts where P = `render(messages[:i], add_generation_prompt=True)` and
 F = `render(messages[:i + 1])` first differ (the end of P for prefix-preserving templates) and runs through the
-first token generation stops on (`sft.data.chat_templates.stop_token_ids`: the tokenizer's EOS, the generation
+first token generation stops on (`sft.data.stops.stop_token_ids`: the tokenizer's EOS, the generation
 config's EOS ids, the template's end of turn); where F writes none after the answer starts (GLM-4.5), through the
 stop token the template writes when the conversation goes on (a user message, a tool result after a call). Each
 example the encoder makes of a row (the whole conversation, or one answer in its own context under
@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from sft.check.prove.bench import Bench
 from sft.check.prove.result import Proof
 from sft.data.chat import THINK, common_prefix, complement
-from sft.data.chat_templates import stop_token_ids
+from sft.data.stops import stop_token_ids
 from sft.data.encode import IGNORE_INDEX
 from sft.data.formats import CHAT_FORMATS
 from sft.data.messages import Row
