@@ -20,10 +20,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from sft.data.chat import ChatRenderer
 from sft.data.chat_templates import EOS, PRESETS, prepare_tokenizer_for_template, resolve_chat_template
-from sft.data.stops import message_delimiters, stop_tokens
 from sft.data.encode import Encoding
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT, detect_format, row_renderer
 from sft.data.show import show_examples
+from sft.data.stops import message_delimiters, stop_tokens
 from sft.errors import SFTError
 
 from conftest import FIXTURES, REPO

@@ -159,11 +159,17 @@ def test_merge_never_replaces_a_users_files_and_replaces_its_own_only_with_overw
     assert (out / "model.safetensors").is_file()
 
 
-def test_qlora_merge_dequantizes_the_base_it_trained_on(tmp_path, tokenizer):
-    base = tmp_path / "base"
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory, tokenizer):
+    """2 QLoRA steps (bitsandbytes NF4 on CPU) on a tiny Llama whose sizes are multiples of 64."""
+    base = tmp_path_factory.mktemp("qlora-base") / "base"
     make_llama64(len(tokenizer)).save_pretrained(base)
     tokenizer.save_pretrained(base)
-    run = run_adapter(base, tmp_path / "qlora", load_in_4bit=True, max_steps=2)
+    return run_adapter(base, tmp_path_factory.mktemp("qlora-run") / "qlora", load_in_4bit=True, max_steps=2)
+
+
+def test_qlora_merge_dequantizes_the_base_it_trained_on(qlora_run, tmp_path):
+    run = qlora_run
     assert main(["merge", str(run), str(tmp_path / "merged")]) == 0
     adapter, _ = load_for_inference(run, device="cpu")  # 4-bit, as trained (recipe.yaml)
     adapter.train()  # the training kernels (exact float32 dequantization), not bitsandbytes' bf16 CPU inference ones
@@ -172,6 +178,19 @@ def test_qlora_merge_dequantizes_the_base_it_trained_on(tmp_path, tokenizer):
     ids = IDS.clamp(max=399)
     with torch.no_grad():
         assert (adapter(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() < 1e-4
+
+
+def test_a_recipe_loading_a_qlora_adapter_on_an_unquantized_base_is_warned(qlora_run, caplog):
+    """sft eval / further training of a QLoRA run from a recipe without load_in_4bit evaluates other weights."""
+    values = dict(model_name_or_path=str(qlora_run), dataset="unused.json", dtype="float32")
+    tokenizer = load_tokenizer(load_recipe(values))
+    with caplog.at_level("WARNING", logger="sft"):
+        load_model(load_recipe(values), tokenizer)
+    assert "trained on a 4-bit base" in caplog.text and "Set load_in_4bit: true" in caplog.text
+    caplog.clear()  # Negative control: the recipe quantizing as the run did is not warned
+    with caplog.at_level("WARNING", logger="sft"):
+        model = load_model(load_recipe({**values, "load_in_4bit": True, "use_peft": True}), tokenizer)
+    assert "4-bit base" not in caplog.text and "quantization_config" in model.base_model.model.config.to_dict()
 
 
 def test_merge_errors_exit_2_with_a_message(lora_run, tiny_model_dir, tmp_path, capsys):

@@ -30,9 +30,9 @@ from sft.check.prove.sharded import reloaded
 from sft.cli.main import main
 from sft.data.chat import ChatRenderer
 from sft.data.chat_templates import PRESETS
-from sft.data.stops import stop_token_ids
 from sft.data.encode import Encoding
 from sft.data.proven_templates import unproven_template_hint
+from sft.data.stops import stop_token_ids
 from sft.errors import SFTError
 from sft.evaluation.predict import Example
 from sft.training.trainer import SFTTrainer

@@ -25,9 +25,9 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from sft.config.names import HISTORY, NO_ASSISTANT_TURN
 from sft.data.chat_templates import PRESETS, REASONING_TAGS, TEMPLATE_ERRORS, resolve_chat_template, tokens_not_in_vocab
-from sft.data.stops import message_delimiters, stop_tokens
 from sft.data.formats import Rendered
 from sft.data.messages import Message, Row, conversation
+from sft.data.stops import message_delimiters, stop_tokens
 from sft.data.template_inputs import TemplateInputs
 from sft.errors import SFTError
 

@@ -27,7 +27,7 @@ from sft.models.adapters import (
 from sft.models.attention import VARLEN
 from sft.models.attention import register as register_varlen
 from sft.models.hub import local_files_only
-from sft.models.quantization import DTYPES, quantized_loading
+from sft.models.quantization import DTYPES, quantized_loading, run_quantization
 
 log = logging.getLogger(__name__)
 EMBEDDING_MULTIPLE = 64  # padded vocab sizes keep matmuls on fast tensor-core shapes
@@ -78,10 +78,26 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     rows = adapter_embedding_rows(model, tokenizer, adapter) if adapter or config.use_peft else None
     new_ids = fit_embeddings(model, tokenizer, rows)
     if adapter:
+        warn_unquantized_base(config, adapter)
         return load_trained_adapter(model, adapter, config)
     if config.use_peft:
         return add_adapter(model, config, new_ids)
     return model
+
+
+def warn_unquantized_base(config: SFTConfig, adapter: str) -> None:
+    """An adapter trained on a 4- or 8-bit base (QLoRA) learnt to correct that base's rounding; on a recipe that
+    loads the base unquantized it is evaluated (or trained further) on other weights than it was trained on.
+    `sft generate`, `chat` and `merge` quantize as the run did (run_quantization); a recipe decides for itself,
+    so it is told."""
+    trained = run_quantization(Path(adapter)).get("quantization_config")
+    if trained is None or config.load_in_4bit or config.load_in_8bit:
+        return
+    bits = 4 if trained.load_in_4bit else 8
+    log.warning("The adapter in %s was trained on a %d-bit base (its run's recipe.yaml sets load_in_%dbit: true), "
+                "and this recipe loads the base unquantized, so the results are of other weights than the adapter "
+                "was trained on. Set load_in_%dbit: true (with the run's bnb_4bit_* keys) to use the trained model.",
+                adapter, bits, bits, bits)
 
 
 def auto_model_class(model_config: PretrainedConfig) -> type[AutoModelForCausalLM] | type[AutoModelForSeq2SeqLM]:

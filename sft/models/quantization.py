@@ -1,6 +1,9 @@
 """bitsandbytes quantized loading (4-bit NF4/FP4 for QLoRA, 8-bit LLM.int8) from a recipe's keys."""
 
+from pathlib import Path
+
 import torch
+import yaml
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
 from sft.config.arguments import SFTConfig
@@ -8,6 +11,9 @@ from sft.config.names import DTYPE_NAMES
 from sft.errors import SFTError
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}  # recipe name -> torch dtype
+# Recipe keys that decide how a run quantized its base (bf16/fp16/dtype pick bnb_4bit_compute_dtype: auto).
+QUANTIZATION_KEYS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+                     "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "dtype", "bf16", "fp16")
 
 
 def check_quantization(config: SFTConfig) -> None:
@@ -65,3 +71,17 @@ def quantized_loading(config: SFTConfig) -> dict:
 def is_quantized(model: PreTrainedModel) -> bool:
     """Whether a quantizer (bitsandbytes, or a pre-quantized checkpoint's) holds the model's weights."""
     return "quantization_config" in model.config.to_dict()
+
+
+def run_quantization(folder: Path) -> dict:
+    """from_pretrained quantization arguments of the run that trained the adapter (from its recipe.yaml)."""
+    recipe = next((p / "recipe.yaml" for p in (folder, folder.parent) if (p / "recipe.yaml").is_file()), None)
+    if recipe is None:
+        return {}
+    values = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}
+    if not (values.get("load_in_4bit") or values.get("load_in_8bit")):
+        return {}
+    keys = {key: values[key] for key in QUANTIZATION_KEYS if values.get(key) is not None}
+    # The values were validated when the run trained; SFTConfig gives the keys the file lacks their defaults.
+    settings = SFTConfig(output_dir=str(folder), use_peft=True, **keys)
+    return {"quantization_config": quantization_config(settings)}

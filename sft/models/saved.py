@@ -5,7 +5,6 @@ import logging
 from pathlib import Path
 
 import torch
-import yaml
 from peft import PeftModel
 from transformers import (
     AutoConfig,
@@ -14,7 +13,6 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.adapters import (
     ADAPTER_CONFIG,
@@ -25,12 +23,9 @@ from sft.models.adapters import (
 )
 from sft.models.hub import local_files_only
 from sft.models.loading import auto_model_class, check_model_reference, fit_embeddings
-from sft.models.quantization import DTYPES, is_quantized, quantization_config
+from sft.models.quantization import DTYPES, is_quantized, run_quantization
 
 log = logging.getLogger(__name__)
-# Recipe keys that decide how a run quantized its base (bf16/fp16/dtype pick bnb_4bit_compute_dtype: auto).
-QUANTIZATION_KEYS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
-                     "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "dtype", "bf16", "fp16")
 
 
 def load_for_inference(path: str | Path, dtype: str = "auto", base_model: str | None = None,
@@ -95,20 +90,6 @@ def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, b
         base = base.dequantize(dtype=DTYPES.get(dtype))
     fit_embeddings(base, tokenizer, adapter_embedding_rows(base, tokenizer, folder))  # as the run grew it
     return load_saved_adapter(base, folder, base_origin=origin)
-
-
-def run_quantization(folder: Path) -> dict:
-    """from_pretrained quantization arguments of the run that trained the adapter (from its recipe.yaml)."""
-    recipe = next((p / "recipe.yaml" for p in (folder, folder.parent) if (p / "recipe.yaml").is_file()), None)
-    if recipe is None:
-        return {}
-    values = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}
-    if not (values.get("load_in_4bit") or values.get("load_in_8bit")):
-        return {}
-    keys = {key: values[key] for key in QUANTIZATION_KEYS if values.get(key) is not None}
-    # The values were validated when the run trained; SFTConfig gives the keys the file lacks their defaults.
-    settings = SFTConfig(output_dir=str(folder), use_peft=True, **keys)
-    return {"quantization_config": quantization_config(settings)}
 
 
 def load_pretrained(name: str, dtype: str, device: str, quantization: dict | None = None, origin: str = "",
