@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from safetensors.torch import load_file
 
 from conftest import REPO, write_json
 
@@ -74,10 +75,11 @@ def interrupted(tmp_path_factory, tiny_model_dir) -> dict:
     recipe = folder / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "model_name_or_path": str(tiny_model_dir), "dataset": str(write_json(folder / "data.json", ROWS)),
-        "dtype": "float32", "use_cpu": True, "per_device_train_batch_size": 2, "max_steps": MAX_STEPS,
-        "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "steps", "save_steps": 10_000,
-        "report_to": "none", "seed": 0, "dataloader_num_workers": 0,
-        "chunked_loss": False}))  # DDP + chunked loss is issue 15 part A (loss inside the wrapped model)
+        # as users run it: float32 master weights under bf16 autocast, the chunked loss; a constant LR so that a run
+        # stopped at any step and resumed to N steps follows the schedule of a run to N steps
+        "dtype": "float32", "bf16": True, "use_cpu": True, "per_device_train_batch_size": 2, "max_steps": MAX_STEPS,
+        "learning_rate": 1e-3, "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "steps",
+        "save_steps": 10_000, "report_to": "none", "seed": 0, "dataloader_num_workers": 0}))
     out, logs = folder / "run", folder / "logs"
     logs.mkdir()
     procs = launch(recipe, out, logs, [])
@@ -124,3 +126,28 @@ def test_the_checkpoint_resumes_on_two_processes(interrupted):
     logged = [entry["step"] for entry in history if "loss" in entry]
     assert logged == list(range(1, end + 1))  # steps 1..N from the checkpoint, then N+1.. once each
     assert tokenized_rows(logs, 0) == tokenized_rows(logs, 1) == 0  # both loaded the cache
+    # The same 2-process run to `end` steps without the interruption: equal weights, and the whole run's train_loss
+    # (a resumed run's used to cover only the steps since the resume)
+    whole, whole_logs = out.parent / "uninterrupted", out.parent / "uninterrupted-logs"
+    whole_logs.mkdir()
+    assert wait(launch(interrupted["recipe"], whole, whole_logs, ["--max_steps", str(end)]), whole_logs) == [0, 0]
+    resumed, uninterrupted = load_file(out / "model.safetensors"), load_file(whole / "model.safetensors")
+    assert max(float((resumed[k] - uninterrupted[k]).abs().max()) for k in resumed) < 1e-6
+    loss = [json.loads((run / "train_results.json").read_text())["train_loss"] for run in (out, whole)]
+    assert loss[0] == pytest.approx(loss[1], abs=1e-5)
+    checkpoint = next(out.glob("checkpoint-*"))
+    assert max(float((resumed[k] - load_file(checkpoint / "model.safetensors")[k]).abs().max()) for k in resumed) > 1e-4
+
+
+def test_one_process_resuming_the_two_process_checkpoint_is_told_the_accumulation_that_keeps_the_batch(
+        interrupted, capsys):
+    """Fewer GPUs than the run was started on: 2 rows per step instead of 2 x 2 would replay the wrong rows."""
+    from sft.cli.main import main
+
+    out = interrupted["out"]
+    before = sorted(p.name for p in out.iterdir())
+    assert main(["train", str(interrupted["recipe"]), "--output_dir", str(out), "--resume_from_checkpoint",
+                 str(next(out.glob("checkpoint-*")))]) == 2
+    error = capsys.readouterr().err
+    assert "was trained on 4 rows per optimizer step" in error and "--gradient_accumulation_steps 2" in error
+    assert sorted(p.name for p in out.iterdir()) == before
