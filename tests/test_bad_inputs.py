@@ -2,6 +2,8 @@
 traceback, and every file that was in output_dir before the run byte-identical after it."""
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,14 @@ def test_bad_input_exits_with_one_clear_line(name, tmp_path, tiny_model_dir, cap
         assert before is None or all(after.get(k) == v for k, v in before.items())
     else:
         assert after == before, "output_dir was touched"
+
+
+@pytest.mark.parametrize("command", [["train", "--help"], ["recipes"]])
+def test_output_into_a_reader_that_stopped_reading_ends_without_a_traceback(command):
+    """`sft train --help | head -1`: the reader closes the pipe before sft is done writing (here before it starts)."""
+    proc = subprocess.Popen([sys.executable, "-m", "sft", *command], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    error = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in error, error  # 128 + SIGPIPE, as a shell reports
+

@@ -46,6 +46,14 @@ def recipe_keys_help() -> str:
     return "recipe keys:" + text.split("options:", 1)[-1]
 
 
+def closed_stdout() -> int:
+    """The exit code after the program reading sft's output (`| head`, `| less`) closed the pipe: what a shell
+    reports for a command SIGPIPE ended (128 + 13). stdout goes to the null device first, since Python's flush of it
+    at exit would raise the same error again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
+
+
 def end_distributed(error: SFTError | None = None) -> None:
     """Let the ranks leave together, then close the process group a launcher (torchrun, accelerate, deepspeed)
     opened. A rank that reaches interpreter exit right after its last collective (ZeRO-3's fast ranks while rank 0

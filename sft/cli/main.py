@@ -5,7 +5,13 @@ import logging
 import sys
 from typing import Callable
 
-from sft.cli.console import end_distributed, quiet_optional_backends, recipe_keys_help, setup_logging
+from sft.cli.console import (
+    closed_stdout,
+    end_distributed,
+    quiet_optional_backends,
+    recipe_keys_help,
+    setup_logging,
+)
 from sft.config.names import DISTRIBUTED_PRESETS, DTYPE_NAMES
 from sft.errors import SFTError
 
@@ -30,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     args.debug = debug
-    if args.verb is None:
-        parser.print_help()
-        return 0
     try:
+        if args.verb is None:
+            parser.print_help()
+            return 0
         code = args.run(args, rest) or 0
         end_distributed()
         return code
@@ -46,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sft: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `sft ... --help | head`: the reader wants no more output, and no traceback
+        return closed_stdout()
 
 
 def debug_collision(argv: list[str]) -> str | None:
