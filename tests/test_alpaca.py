@@ -76,8 +76,8 @@ def alpaca_rows() -> list[dict]:
     return rows[:300]
 
 
-def comparison_tokenizer():
-    path = FIXTURES / "tokenizers" / "mistral-7b-instruct-v0.1"
+def comparison_tokenizer(name: str):
+    path = FIXTURES / "tokenizers" / name
     return AutoTokenizer.from_pretrained(path) if path.exists() else make_tokenizer()
 
 
@@ -90,14 +90,18 @@ def assert_trains_the_whole_output(tokenizer, row: dict, labels: list[int]) -> N
     assert ALPACA_PROMPT_NO_INPUT.endswith(merged_prefix) and len(merged_prefix) <= 2, merged_prefix
 
 
-def test_labels_match_the_original_algorithm_except_where_it_is_off_by_one():
-    tokenizer = comparison_tokenizer()
+# TinyLlama-Chat is Llama 2's tokenizer, saved with padding to 2048 and truncation in its tokenizer.json.
+@pytest.mark.parametrize("name", ["mistral-7b-instruct-v0.1", "tinyllama-1.1b-chat-v1.0"])
+def test_labels_match_the_original_algorithm_except_where_it_is_off_by_one(name):
+    tokenizer = comparison_tokenizer(name)
+    # The original's tokenizer is its own instance: a call through transformers resets the saved padding.
+    reference = comparison_tokenizer(name)
     encoding = Encoding(tokenizer, max_length=512)
     differing = []
     for number, row in enumerate(alpaca_rows(), 1):
         ours = encoding.encode([render_alpaca(row, "alpaca", number, completion_only=True)])
         ids, labels = ours["input_ids"][0], ours["labels"][0]
-        ref_ids, ref_labels = stanford_labels(tokenizer, row, 512)
+        ref_ids, ref_labels = stanford_labels(reference, row, 512)
         if not ours["truncated"][0]:
             assert_trains_the_whole_output(tokenizer, row, labels)
         if (ids, labels) != (ref_ids, ref_labels):

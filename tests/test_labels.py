@@ -98,6 +98,22 @@ def test_truncation_keeps_max_length_and_untrains_the_new_first_token(tokenizer,
     assert labels[1:] == ids[1:]
 
 
+
+def test_padding_and_truncation_saved_in_tokenizer_json_are_ignored():
+    """TinyLlama-Chat's tokenizer.json was saved after a padded call: the backend pads every row to 2048 with </s>
+    and truncates at 2048. Encoding calls the backend directly, so rows came back 512 tokens of </s> padding, marked
+    truncated, with the appended EOS cut off and never trained."""
+    from conftest import make_tokenizer
+
+    saved, plain = make_tokenizer(), make_tokenizer()
+    eos = saved.eos_token_id
+    saved.backend_tokenizer.enable_padding(length=600, pad_id=eos, pad_token=saved.eos_token)
+    saved.backend_tokenizer.enable_truncation(max_length=6)
+    row = {"instruction": "Add the two numbers.", "input": "2 and 3", "output": "5"}
+    ids, labels, cut = encode_one(saved, render_alpaca(row, "x.json", 1, completion_only=True))
+    assert (ids, labels, cut) == encode_one(plain, render_alpaca(row, "x.json", 1, completion_only=True))
+    assert not cut and ids.count(eos) == 1 and labels[-1] == eos and 6 < len(ids) < 512
+
 MULTI_TOKEN_ENDINGS = ["I love it 🦜", "答案是龘", "so x ≤ ∮"]  # byte-fallback / byte-level BPE: one character, many tokens
 
 

@@ -19,6 +19,14 @@ class Encoding:
     max_length: int
     truncation_side: str = "right"
 
+    def __post_init__(self) -> None:
+        # A tokenizer.json saved after a padded call keeps that padding and truncation (TinyLlama-Chat's pads every
+        # row to 2048 with </s>); transformers resets them on each call, but encode() calls the backend directly, so
+        # rows came back padded with EOS, the appended EOS fell past max_length and was never trained.
+        if self.tokenizer.is_fast:
+            self.tokenizer.backend_tokenizer.no_padding()
+            self.tokenizer.backend_tokenizer.no_truncation()
+
     def encode(self, rows: list[Rendered]) -> dict[str, list]:
         """Tokenize a batch; per row: input_ids, labels, length, truncated, trained and reasoning (token counts),
         split (an extra example of a chat row), kinds (token runs [first, last) of the MARKED chat pieces) and
