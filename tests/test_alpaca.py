@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from sft.cli.alpaca import main
+from sft.cli.alpaca import alpaca_recipe, main
 from sft.data.encode import IGNORE_INDEX, Encoding
 from sft.data.formats import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, render_alpaca
 
@@ -37,6 +37,16 @@ def test_stanford_command_runs_verbatim_on_cpu(tmp_path, tiny_model_dir, alpaca_
     assert state["global_step"] == 3
     assert (out / "model.safetensors").exists() and (out / "checkpoint-3").exists()
 
+
+
+@pytest.mark.parametrize("use_cpu", ["True", "false", None])
+def test_bf16_with_use_cpu_is_cpu_autocast_not_dropped(use_cpu):
+    """Without a GPU, --bf16 True is dropped (a smoke test of a GPU command), but with --use_cpu True it is CPU bf16
+    autocast, as in `sft train`; it was dropped there too, and the run trained fp32."""
+    argv = ["--bf16", "True", "--tf32", "True"] + (["--use_cpu", use_cpu] if use_cpu else [])
+    _, flags = alpaca_recipe(argv, has_gpu=False)
+    kept = ["--bf16", "True"] if use_cpu == "True" else []
+    assert flags == kept + (["--use_cpu", use_cpu] if use_cpu else [])
 
 def test_pad_token_is_added_with_mean_initialised_rows(tmp_path, alpaca_json):
     tokenizer = make_tokenizer()

@@ -13,7 +13,7 @@ import torch
 from sft.cli.console import end_distributed, quiet_optional_backends, recipe_keys_help, setup_logging
 from sft.errors import SFTError
 from sft.training.flows import train
-from sft.training.recipe import RENAMED, load_recipe, parse_flags
+from sft.training.recipe import RENAMED, coerce, load_recipe, parse_flags
 
 log = logging.getLogger(__name__)
 GPU_ONLY = ("bf16", "tf32", "fsdp", "fsdp_config", "fsdp_transformer_layer_cls_to_wrap")
@@ -28,8 +28,12 @@ ALPACA_DEFAULTS = {"dataset_format": "alpaca", "completion_only_loss": True, "pa
 def alpaca_recipe(argv: list[str], has_gpu: bool) -> tuple[dict, list[str]]:
     """Recipe values (Alpaca's fixed settings and mapped structured flags) and --key value flags for the rest."""
     values, flags = dict(ALPACA_DEFAULTS), []
-    for key, value in parse_flags(argv).items():
-        if not has_gpu and key in GPU_ONLY and value.lower() not in ("false", "no", "", "none"):
+    parsed = parse_flags(argv)
+    # bf16 with use_cpu asked for is CPU bf16 autocast, as in `sft train`: dropping it trained fp32.
+    cpu_bf16 = "use_cpu" in parsed and coerce("use_cpu", parsed["use_cpu"], "command line", from_text=True)
+    for key, value in parsed.items():
+        if (not has_gpu and key in GPU_ONLY and value.lower() not in ("false", "no", "", "none")
+                and not (key == "bf16" and cpu_bf16)):
             log.warning("Notice: no GPU here, dropping --%s %s (GPU only).", key, value)
         elif key == "fsdp_transformer_layer_cls_to_wrap":
             log.warning("Notice: --%s is now fsdp_config.transformer_layer_cls_to_wrap.", key)
