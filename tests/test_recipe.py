@@ -111,3 +111,18 @@ def test_a_full_fine_tunes_saved_recipe_with_default_lora_keys_still_loads(tmp_p
     saved = resolved_recipe(load_recipe({"output_dir": str(tmp_path)}))
     assert saved["lora_r"] == 16 and saved["use_peft"] is False  # every SFT field is written, LoRA's included
     assert load_recipe(saved).use_peft is False
+
+
+def test_other_tools_keys_name_sft_s_key_instead_of_a_spelling_guess():
+    from sft.training.recipe import FIELDS, PEER_KEYS
+
+    for key, advice in PEER_KEYS.items():
+        assert key not in FIELDS, key  # a key sft knows never reaches the advice
+        with pytest.raises(SFTError, match="another tool's name") as error:
+            load_recipe({key: 1})
+        assert advice in str(error.value)
+        named = advice.split(":")[0].split(" ")[0]
+        assert named == "nothing" or named in FIELDS, (key, named)
+    # alpaca-lora's flags used to get guesses from their spelling alone
+    with pytest.raises(SFTError, match="sft's is per_device_train_batch_size"):
+        load_recipe({}, flags=["--micro_batch_size", "4"])

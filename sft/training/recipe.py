@@ -34,6 +34,26 @@ RENAMED = {
     "per_gpu_eval_batch_size": "per_device_eval_batch_size",
     "fsdp_transformer_layer_cls_to_wrap": "fsdp_config: {transformer_layer_cls_to_wrap: [...]}",
 }
+# Other tools' recipe keys (axolotl, alpaca-lora's finetune.py, LLaMA-Factory) for what sft names otherwise, with
+# how to say it here: their spelling gets the sft key, not a "did you mean" guess from the spelling alone.
+PEER_KEYS = {
+    "base_model": "model_name_or_path",
+    "sequence_len": "max_length", "cutoff_len": "max_length",
+    "micro_batch_size": "per_device_train_batch_size",
+    "num_epochs": "num_train_epochs",
+    "val_set_size": "eval_split_size", "val_size": "eval_split_size",
+    "sample_packing": "packing",
+    "lr_scheduler": "lr_scheduler_type",
+    "lora_rank": "lora_r", "lora_target": "lora_target_modules",
+    "train_on_inputs": "completion_only_loss (the opposite: train_on_inputs: false is completion_only_loss: true)",
+    "adapter": "use_peft: true (and load_in_4bit: true for QLoRA)",
+    "finetuning_type": "use_peft: true for lora (leave it out for a full fine-tune)",
+    "quantization_bit": "load_in_4bit: true or load_in_8bit: true",
+    "template": "chat_template",
+    "flash_attention": "attn_implementation: flash_attention_2",
+    "group_by_length": "train_sampling_strategy: group_by_length",
+    "save_safetensors": "nothing: sft always saves safetensors (drop the key)",
+}
 PATH_KEYS = ("model_name_or_path", "tokenizer_name_or_path", "dataset", "eval_dataset", "chat_template", "deepspeed")
 _TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 
@@ -130,6 +150,9 @@ def check_key(key: str, origin: str) -> dataclasses.Field:
         return FIELDS[key]
     if key in RENAMED:
         raise SFTError(f"Key `{key}` in {origin} was renamed: use `{RENAMED[key]}`.")
+    if key in PEER_KEYS:
+        raise SFTError(f"Unknown key `{key}` in {origin}: that is another tool's name (axolotl, alpaca-lora, "
+                       f"LLaMA-Factory); sft's is {PEER_KEYS[key]}.")
     close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.6)
     hint = f" Did you mean `{close[0]}`?" if close else " Run `sft train --help` for the valid keys."
     raise SFTError(f"Unknown key `{key}` in {origin}.{hint}")
