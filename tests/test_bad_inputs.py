@@ -77,7 +77,7 @@ def test_bad_input_exits_with_one_clear_line(name, tmp_path, tiny_model_dir, cap
         assert after == before, "output_dir was touched"
 
 
-@pytest.mark.parametrize("command", [["train", "--help"], ["recipes"]])
+@pytest.mark.parametrize("command", [["train", "--help"], ["recipes"], ["alpaca", "--help"]])
 def test_output_into_a_reader_that_stopped_reading_ends_without_a_traceback(command):
     """`sft train --help | head -1`: the reader closes the pipe before sft is done writing (here before it starts)."""
     proc = subprocess.Popen([sys.executable, "-m", "sft", *command], cwd=REPO, stdout=subprocess.PIPE,

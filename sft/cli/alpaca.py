@@ -10,7 +10,13 @@ import sys
 
 import torch
 
-from sft.cli.console import end_distributed, quiet_optional_backends, recipe_keys_help, setup_logging
+from sft.cli.console import (
+    closed_stdout,
+    end_distributed,
+    quiet_optional_backends,
+    recipe_keys_help,
+    setup_logging,
+)
 from sft.errors import SFTError
 from sft.training.flows import train
 from sft.training.recipe import RENAMED, coerce, load_recipe, parse_flags
@@ -49,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of scripts/train_alpaca.py and `sft alpaca`."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        print(USAGE + "\n" + recipe_keys_help())
+        try:
+            print(USAGE + "\n" + recipe_keys_help())
+        except BrokenPipeError:  # `train_alpaca.py --help | head`
+            return closed_stdout()
         return 0
     debug = "--debug" in argv
     setup_logging()
