@@ -200,6 +200,19 @@ def test_zero3_with_the_chunked_loss_equals_one_process(recipe, single, ddp_run,
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
+def test_early_stopping_stops_both_ranks_after_the_same_evaluation(recipe, tmp_path):
+    """bf16 autocast as users train; learning rate 0, so no evaluation improves on the first: patience 2 stops
+    both ranks after the third step (a rank stopping alone would leave the other waiting in its next collective)."""
+    out = tmp_path / "early"
+    run(torchrun("train", recipe, "--output_dir", out, "--max_steps", "6", "--learning_rate", "0",
+                 "--eval_strategy", "steps", "--eval_steps", "1", "--early_stopping_patience", "2",
+                 "--bf16", "true", "--use_cpu", "true"))
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
+    for report in (json.loads((out / f"batches-rank{r}.json").read_text()) for r in (0, 1)):
+        assert len(report["batches"]) == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
 def test_two_process_padding_free_eval_loss_equals_one_process(recipe, single, tmp_path):
     # flattened batches are split back into their examples before the repeated ones are dropped
     out = tmp_path / "eval"
