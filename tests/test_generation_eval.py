@@ -155,3 +155,19 @@ def test_a_misspelt_metric_stops_training_before_the_model_loads(tiny_model_dir,
                            "predict_with_generate: true\nmetrics: [exact_match, rogue]\n")
     assert main(["train", str(recipe_file)]) == 2
     assert "Unknown metric `rogue` in `metrics`. Did you mean `rouge`?" in capsys.readouterr().err
+
+
+def test_dataloader_drop_last_drops_no_eval_row(tiny_model_dir, qa_file, tokenizer, tmp_path):
+    """dataloader_drop_last is for training batches: eval scores all 8 rows in batches of 3 (the Trainer dropped the
+    last 2, so loss and metrics covered 6 rows, and on 2 processes fewer still)."""
+    results, records = [], []
+    for drop_last in (False, True):
+        config = recipe(tiny_model_dir, qa_file, tmp_path / str(drop_last), dataloader_drop_last=drop_last)
+        _, eval_set = build_datasets(config, tokenizer)
+        trainer = SFTTrainer(model=make_llama(len(tokenizer)), args=config, processing_class=tokenizer,
+                             eval_dataset=eval_set)
+        results.append(trainer.evaluate())
+        records.append([json.loads(line) for line in (tmp_path / str(drop_last) / "predictions.jsonl").open()])
+        assert trainer.args.dataloader_drop_last is drop_last  # the training dataloader still drops
+    assert [r["reference"] for r in records[1]] == [c for _, c in QA]
+    assert records[1] == records[0] and results[1]["eval_loss"] == results[0]["eval_loss"]

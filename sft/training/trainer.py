@@ -4,6 +4,7 @@ the Trainer's hooks and hands each concern to the object that owns it: the token
 (checkpoints), throughput logs (throughput) and generation-based evaluation (sft.evaluation.predict)."""
 
 import contextlib
+import copy
 import os
 from typing import Any
 
@@ -129,14 +130,20 @@ class SFTMixin:
 
     def _get_dataloader(self, dataset: Any, description: str, batch_size: int, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's dataloader; for the chunked loss its collator also counts trained targets on the host
-        (HostCount), so that the loss never waits for the GPU to learn how many there are."""
-        collator = self.data_collator
+        (HostCount), so that the loss never waits for the GPU to learn how many there are. Evaluation and prediction
+        batch every row, whatever dataloader_drop_last says for training."""
+        collator, settings = self.data_collator, self.args
         if self._counts_on_host(dataset):
             self.data_collator = HostCount(collator)
+        if not kwargs.get("is_training") and settings.dataloader_drop_last:
+            # dataloader_drop_last is for training batches; the Trainer applies it to eval too, which then skipped
+            # the last partial batch (21 eval rows in batches of 4: 20 scored on one process, 16 on two).
+            self.args = copy.copy(settings)  # a copy: the recipe's own value stays for the training dataloader
+            self.args.dataloader_drop_last = False
         try:
             return super()._get_dataloader(dataset, description, batch_size, *args, **kwargs)
         finally:
-            self.data_collator = collator
+            self.data_collator, self.args = collator, settings
 
     def _counts_on_host(self, dataset: Any) -> bool:
         # accelerate dispatches batches of iterable datasets from one process, concatenating tensors only
