@@ -171,3 +171,16 @@ def test_dataloader_drop_last_drops_no_eval_row(tiny_model_dir, qa_file, tokeniz
         assert trainer.args.dataloader_drop_last is drop_last  # the training dataloader still drops
     assert [r["reference"] for r in records[1]] == [c for _, c in QA]
     assert records[1] == records[0] and results[1]["eval_loss"] == results[0]["eval_loss"]
+
+
+def test_group_by_length_keeps_predictions_in_eval_row_order(tiny_model_dir, qa_file, tokenizer, tmp_path):
+    """train_sampling_strategy group_by_length groups training batches; the Trainer also length-grouped eval in a
+    seeded shuffle, so predictions.jsonl came out in another order than the eval file (the QA prompts differ in
+    length: 8 rows in batches of 3)."""
+    config = recipe(tiny_model_dir, qa_file, tmp_path, train_sampling_strategy="group_by_length")
+    _, eval_set = build_datasets(config, tokenizer)
+    SFTTrainer(model=make_llama(len(tokenizer)), args=config, processing_class=tokenizer,
+               eval_dataset=eval_set).evaluate()
+    records = [json.loads(line) for line in (tmp_path / "predictions.jsonl").open()]
+    assert [r["reference"] for r in records] == [c for _, c in QA]
+    assert [r["prompt"][-len(p):] for r, (p, _) in zip(records, QA)] == [p for p, _ in QA]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, SequentialSampler
 from transformers import (
     DataCollatorForSeq2Seq,
     EarlyStoppingCallback,
@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.trainer_pt_utils import nested_gather
+from transformers.trainer_utils import has_length
 
 from sft.data.collators import TRAINED_TARGETS, HostCount, PackedCollator, PaddingFreeCollator
 from sft.data.encode import IGNORE_INDEX
@@ -144,6 +145,13 @@ class SFTMixin:
             return super()._get_dataloader(dataset, description, batch_size, *args, **kwargs)
         finally:
             self.data_collator, self.args = collator, settings
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> Any:
+        """Eval rows in dataset order. train_sampling_strategy group_by_length also length-grouped eval batches, in a
+        seeded shuffle, so predictions.jsonl (and predict()'s arrays) no longer followed the eval file's rows."""
+        if self.args.train_sampling_strategy != "group_by_length" or not has_length(eval_dataset):
+            return super()._get_eval_sampler(eval_dataset)
+        return SequentialSampler(eval_dataset) if self.args.world_size <= 1 else None  # the Trainer's other rule
 
     def _counts_on_host(self, dataset: Any) -> bool:
         # accelerate dispatches batches of iterable datasets from one process, concatenating tensors only
