@@ -99,6 +99,31 @@ def test_sft_data_shows_source_and_target(t5_dir, pairs_file, tmp_path, capsys):
     assert "<s>add 1 and 2\n--- target:\n[[3</s>]]" in shown and "2 target tokens (all trained)" in shown
 
 
+def test_sft_eval_reports_eval_rows_cut_to_max_length(t5_dir, pairs_file, tmp_path, caplog):
+    """Seq2seq eval rows are never dropped (every target keeps its EOS), so a source or target cut to max_length was
+    scored without a word: generated from a cut source, against a cut reference (DialogSum dev at 256 flan-t5
+    tokens: 153 of 500 rows cut)."""
+    import logging
+
+    from sft.cli.main import main
+
+    long_rows = [{"source": "the quick brown fox " * 6, "target": "jumps"},
+                 {"source": "greet me", "target": "Hello, how are you today? " * 4}]
+    data = write_json(tmp_path / "eval.jsonl", [{"source": s, "target": t} for s, t in PAIRS] + long_rows, jsonl=True)
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(f"model_name_or_path: {t5_dir}\ndataset: {pairs_file}\neval_dataset: {data}\n"
+                           f"output_dir: {tmp_path / 'out'}\nmax_length: 16\nreport_to: none\nuse_cpu: true\n")
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        assert main(["eval", str(recipe_file)]) == 0
+    assert ("Eval data: 2 of 10 rows are longer than max_length=16 and truncated. Eval loss and metrics score what "
+            "fits (a cut source or prompt is generated from, a cut answer is the reference): raise max_length to "
+            "score them whole.") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sft"):  # control: nothing cut, nothing said
+        assert main(["eval", str(recipe_file), "--max_length", "64", "--output_dir", str(tmp_path / "out2")]) == 0
+    assert "Eval data" not in caplog.text
+
+
 def test_truncation_keeps_the_tokenizers_special_tokens():
     # [BOS] a b c d [EOS] cut to 4 keeps both ends' special tokens
     ids, special = [1, 10, 11, 12, 13, 2], [1, 0, 0, 0, 0, 1]

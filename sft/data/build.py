@@ -58,16 +58,21 @@ class Prepared:
     reasoning_tokens: int = 0  # trained tokens inside reasoning blocks (chat data)
     split_rows: int = 0  # extra examples made by `history: split` (chat data)
 
-    def dropped_warning(self, max_length: int) -> str | None:
-        """One line for eval data that lost rows, None when it lost none: `sft data` reports the training data only,
-        and evaluation otherwise scores the rows left without a word (DialogSum's dev set at max_length 256 on a
-        decoder model loses 155 of its 500 dialogues, the longest ones)."""
-        if not self.dropped_rows:
-            return None
-        truncated = f"; {self.truncated_rows} of those kept are truncated" if self.truncated_rows else ""
-        return (f"Eval data: {self.dropped_rows} of {len(self.dataset) + self.dropped_rows} rows dropped, no trained "
-                f"token fits in max_length={max_length}{truncated}. Eval loss and metrics leave them out: raise "
-                "max_length or shorten the prompts to score them.")
+    def eval_warning(self, max_length: int) -> str | None:
+        """One line for eval data that lost rows or had rows cut, None when neither: `sft data` reports the training
+        data only, and evaluation otherwise scores the rows left without a word (DialogSum's dev set at max_length
+        256 on a decoder model loses 155 of its 500 dialogues, the longest; on an encoder-decoder it keeps them all
+        and cuts 153 sources)."""
+        if self.dropped_rows:
+            truncated = f"; {self.truncated_rows} of those kept are truncated" if self.truncated_rows else ""
+            return (f"Eval data: {self.dropped_rows} of {len(self.dataset) + self.dropped_rows} rows dropped, no "
+                    f"trained token fits in max_length={max_length}{truncated}. Eval loss and metrics leave them out: "
+                    "raise max_length or shorten the prompts to score them.")
+        if self.truncated_rows:
+            return (f"Eval data: {self.truncated_rows} of {len(self.dataset)} rows are longer than "
+                    f"max_length={max_length} and truncated. Eval loss and metrics score what fits (a cut source or "
+                    "prompt is generated from, a cut answer is the reference): raise max_length to score them whole.")
+        return None
 
 
 @dataclass

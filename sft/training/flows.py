@@ -57,7 +57,7 @@ def train(config: SFTConfig) -> Path:
     stats = training_stats(train_data, config)  # what `sft data` reports (packing stats are added below)
     train_set, eval_set = apply_packing(config, train_data.dataset, eval_data.dataset if eval_data else None, stats)
     log.info("\n%s", stats.table("Training data"))
-    warn_dropped_eval_rows(eval_data, config.max_length)
+    warn_eval_rows(eval_data, config.max_length)
     transformers.set_seed(config.seed)  # new embedding rows are sampled: make them reproducible
     model = load_model(config, tokenizer)
     with_stop_tokens(model.generation_config, tokenizer)  # saved with each checkpoint and the final model
@@ -88,9 +88,10 @@ def train(config: SFTConfig) -> Path:
     return output_dir
 
 
-def warn_dropped_eval_rows(eval_data: Prepared | None, max_length: int) -> None:
-    """Say how many eval rows have nothing to score within max_length: they are left out of every evaluation."""
-    warning = eval_data.dropped_warning(max_length) if eval_data is not None else None
+def warn_eval_rows(eval_data: Prepared | None, max_length: int) -> None:
+    """Say how many eval rows have nothing to score within max_length (they are left out of every evaluation), or
+    else how many are cut to it."""
+    warning = eval_data.eval_warning(max_length) if eval_data is not None else None
     if warning:
         log.warning(warning)
 
@@ -276,7 +277,7 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
         _, eval_data = prepare_splits(config, tokenizer)
     if eval_data is None:
         raise SFTError("sft eval needs an eval set: set `eval_dataset`, or `eval_split_size` to hold out rows.")
-    warn_dropped_eval_rows(eval_data, config.max_length)
+    warn_eval_rows(eval_data, config.max_length)
     model = load_model(config, tokenizer)
     trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer,
                                    eval_dataset=eval_data.dataset)
