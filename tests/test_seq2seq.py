@@ -249,3 +249,43 @@ def test_tiny_t5_memorises_its_pairs_and_generation_eval_scores_them(t5_dir, pai
     assert json.loads((out / "eval_results.json").read_text())["eval_exact_match"] == 1.0
     records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert sorted((r["reference"], r["prediction"]) for r in records) == sorted((t, t) for _, t in PAIRS)
+
+
+@pytest.mark.multiprocess
+def test_two_process_generation_eval_scores_every_row_once_in_order(tmp_path):
+    """`torchrun --nproc_per_node 2 -m sft eval` with predict_with_generate on the embedded tiny T5: 7 eval rows in
+    batches of 2 (rank 1's last batch repeats a row to even out) give the one-process predictions.jsonl, row for row,
+    and its eval loss; also with dataloader_drop_last, which made one process score 6 rows and two processes 4."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from sft.cli.main import main
+
+    from conftest import REPO
+
+    model = REPO / "data" / "models" / "tiny-t5"
+    if not (model / "model.safetensors").exists():
+        pytest.skip("embedded tiny T5 not built (scripts/make_tiny_t5.py)")
+    lines = (REPO / "data" / "seq2seq_sample.jsonl").read_text().splitlines()[:7]
+    (tmp_path / "eval.jsonl").write_text("\n".join(lines) + "\n")
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(yaml.safe_dump({
+        "model_name_or_path": str(model), "dataset": str(tmp_path / "eval.jsonl"),
+        "eval_dataset": str(tmp_path / "eval.jsonl"), "dtype": "float32", "predict_with_generate": True,
+        "max_new_tokens": 6, "generation_num_beams": 2, "per_device_eval_batch_size": 2,
+        "dataloader_drop_last": True, "report_to": "none", "use_cpu": True}))
+    assert main(["eval", str(recipe_file), "--output_dir", str(tmp_path / "one")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "-m", "sft", "eval", str(recipe_file), "--output_dir", str(tmp_path / "two")],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    one, two = ([json.loads(line) for line in (tmp_path / run / "predictions.jsonl").open()] for run in ("one", "two"))
+    assert [r["reference"] for r in one] == [json.loads(line)["target"] for line in lines]
+    assert two == one
+    losses = [json.loads((tmp_path / run / "eval_results.json").read_text())["eval_loss"] for run in ("one", "two")]
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)
