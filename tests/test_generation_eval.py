@@ -184,3 +184,21 @@ def test_group_by_length_keeps_predictions_in_eval_row_order(tiny_model_dir, qa_
     records = [json.loads(line) for line in (tmp_path / "predictions.jsonl").open()]
     assert [r["reference"] for r in records] == [c for _, c in QA]
     assert [r["prompt"][-len(p):] for r, (p, _) in zip(records, QA)] == [p for p, _ in QA]
+
+
+def test_an_unreadable_generation_config_is_a_recipe_error(tiny_model_dir, qa_file, tmp_path, capsys):
+    """Seq2SeqTrainer reads `generation_config` when it is built: a missing path or a folder without
+    generation_config.json was an OSError traceback (exit 1) after tokenizing and loading the model."""
+    (tmp_path / "empty").mkdir()
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset: {qa_file}\neval_dataset: {qa_file}\n"
+                           f"output_dir: {tmp_path / 'o'}\nreport_to: none\nuse_cpu: true\npredict_with_generate: true\n")
+    for verb in ("train", "eval"):
+        assert main([verb, str(recipe_file), "--generation_config", str(tmp_path / "missing")]) == 2
+        err = capsys.readouterr().err
+        assert (f"sft: error: Bad value for `generation_config`: cannot read a generation config from "
+                f"'{tmp_path / 'missing'}' (no such file or folder). Give a folder holding generation_config.json, "
+                "that JSON file, or a Hub model id.") in err and "Traceback" not in err
+    assert main(["eval", str(recipe_file), "--generation_config", str(tmp_path / "empty")]) == 2
+    assert "does not appear to have a file named generation_config.json" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything ran

@@ -282,7 +282,7 @@ def test_two_process_generation_eval_scores_every_row_once_in_order(tmp_path):
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              "-m", "sft", "eval", str(recipe_file), "--output_dir", str(tmp_path / "two")],
-                            env=env, capture_output=True, text=True, timeout=600)
+                            env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     one, two = ([json.loads(line) for line in (tmp_path / run / "predictions.jsonl").open()] for run in ("one", "two"))
     assert [r["reference"] for r in one] == [json.loads(line)["target"] for line in lines]

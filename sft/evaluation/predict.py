@@ -35,6 +35,7 @@ from transformers.integrations.fsdp import is_fsdp_managed_module
 from sft.config.arguments import SFTConfig
 from sft.data.boundaries import spans
 from sft.data.encode import IGNORE_INDEX
+from sft.errors import SFTError
 from sft.evaluation.generation import GREEDY, decoding_config, reply_tokens
 from sft.evaluation.metrics import compute_metrics, resolve_metrics
 
@@ -118,6 +119,20 @@ def pad_prompts(prompts: list[list[int]], pad_id: int, left: bool,
     return ids.to(device), mask.to(device)
 
 
+def read_generation_config(source: str | GenerationConfig) -> GenerationConfig:
+    """The recipe's generation_config (a folder holding generation_config.json, that file, or a Hub id), read as
+    Seq2SeqTrainer reads it when it is built; what it cannot read is a recipe error, not a traceback."""
+    try:
+        return Seq2SeqTrainer.load_generation_config(source)
+    except (OSError, ValueError) as err:  # missing file or folder, bad Hub id, invalid JSON or settings
+        reason = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        if isinstance(source, str) and source.startswith(("/", ".", "~")) and not Path(source).expanduser().exists():
+            reason = "no such file or folder"  # not the Hub's complaint about a repo id
+        raise SFTError(f"Bad value for `generation_config`: cannot read a generation config from {str(source)!r} "
+                       f"({reason}). Give a folder holding generation_config.json, that JSON file, or a Hub model "
+                       "id.") from None
+
+
 def eval_generation_config(model: nn.Module, tokenizer: PreTrainedTokenizerBase, args: Seq2SeqTrainingArguments,
                            overrides: dict[str, Any] | None = None) -> GenerationConfig:
     """Decoding settings for evaluation: the recipe's generation_config, else the model's made greedy.
@@ -126,7 +141,7 @@ def eval_generation_config(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
     generation_num_beams apply on top; generation stops at the tokenizer's EOS, the config's EOS ids and the chat
     template's end-of-turn token. `overrides` are generate() keyword arguments given to evaluate().
     """
-    own = None if args.generation_config is None else Seq2SeqTrainer.load_generation_config(args.generation_config)
+    own = None if args.generation_config is None else read_generation_config(args.generation_config)
     max_new_tokens = args.max_new_tokens if isinstance(args, SFTConfig) else None
     config = decoding_config(model, tokenizer, own, **(GREEDY if own is None else {}), max_length=None,
                              max_new_tokens=max_new_tokens or args.generation_max_length or DEFAULT_MAX_NEW_TOKENS)

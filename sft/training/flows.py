@@ -22,6 +22,7 @@ from sft.data.tokenizer import load_tokenizer
 from sft.errors import SFTError, TrainingDiverged, TrainingInterrupted
 from sft.evaluation.generation import with_stop_tokens
 from sft.evaluation.metrics import check_best_metric, eval_keys, resolve_metrics
+from sft.evaluation.predict import read_generation_config
 from sft.models.adapters import check_adapter_training
 from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.loading import load_model, load_model_config
@@ -145,8 +146,7 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     check_optimizer(config)
     check_quantization(config)
     check_adapter_training(config)
-    if config.predict_with_generate:
-        resolve_metrics(config.metrics)  # a misspelt metric fails now, not after the model has loaded
+    check_generation_settings(config)
     if config.metric_for_best_model is not None:  # eval_keys calls a user metric function once to learn its keys
         reported = eval_keys(config.metrics, config.predict_with_generate)
         check_best_metric(config.metric_for_best_model, reported, config.predict_with_generate)
@@ -159,6 +159,15 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
                        "it, --overwrite_output_dir true to replace it (only files sft wrote are removed), or choose "
                        "another output_dir.")
     return config
+
+
+def check_generation_settings(config: SFTConfig) -> None:
+    """Metric names and the generation_config, before any data or model: a misspelt metric, and a generation_config
+    that Seq2SeqTrainer cannot read when it is built (a traceback), failed after tokenizing and loading the model."""
+    if config.predict_with_generate:
+        resolve_metrics(config.metrics)
+    if config.generation_config is not None:
+        read_generation_config(config.generation_config)
 
 
 def check_optimizer(config: SFTConfig) -> None:
@@ -271,6 +280,7 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
     config = evaluation_config(config)
     check_launcher(config, "eval")
     check_eval_output(out, config.overwrite_output_dir, config.model_name_or_path)
+    check_generation_settings(config)
     config = with_model_limits(config, fitted_max_length(config))
     tokenizer = load_tokenizer(config)
     with config.main_process_first(desc="tokenizing"):
