@@ -216,9 +216,10 @@ def test_early_stopping_stops_both_ranks_after_the_same_evaluation(recipe, tmp_p
 def test_two_process_padding_free_eval_loss_equals_one_process(recipe, single, tmp_path):
     # flattened batches are split back into their examples before the repeated ones are dropped
     out = tmp_path / "eval"
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "sft", "eval",
-         recipe, "--model_name_or_path", single, "--padding_free", "true", "--output_dir", out])
+    console = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "sft",
+                   "eval", recipe, "--model_name_or_path", single, "--padding_free", "true", "--output_dir", out])
     assert eval_loss(out) == pytest.approx(eval_loss(single), abs=1e-5)
+    assert console.count("eval_perplexity") == 1  # the results, printed by rank 0 alone
 
 
 @pytest.mark.parametrize("preset", ["zero3", "zero2"])

@@ -15,14 +15,19 @@ def setup_logging() -> None:
     sft's errors only and show no progress bars (the Trainer already keeps its own logs to the main process)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    replica = os.environ.get("RANK", "0") not in ("", "0")
-    logging.getLogger("sft").setLevel(logging.ERROR if replica else logging.INFO)
-    if replica:
+    logging.getLogger("sft").setLevel(logging.ERROR if is_replica() else logging.INFO)
+    if is_replica():
         import datasets
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # "Loading weights", "Writing model shards"
         datasets.disable_progress_bars()
+
+
+def is_replica() -> bool:
+    """Whether this process is one of a launch's other ranks (RANK > 0): what every rank computes alike, such as
+    sft eval's results, is printed by rank 0 alone."""
+    return os.environ.get("RANK", "0") not in ("", "0")
 
 
 def quiet_optional_backends() -> None:

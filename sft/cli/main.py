@@ -8,6 +8,7 @@ from typing import Callable
 from sft.cli.console import (
     closed_stdout,
     end_distributed,
+    is_replica,
     quiet_optional_backends,
     recipe_keys_help,
     setup_logging,
@@ -150,7 +151,8 @@ def run_eval(args: argparse.Namespace, rest: list[str]) -> None:
     from sft.training.recipe import load_recipe
 
     metrics = evaluate(load_recipe(args.recipe, flags=rest))
-    print("\n".join(f"{k:<28} {v:.6g}" if isinstance(v, float) else f"{k:<28} {v}" for k, v in metrics.items()))
+    if not is_replica():
+        print("\n".join(f"{k:<28} {v:.6g}" if isinstance(v, float) else f"{k:<28} {v}" for k, v in metrics.items()))
 
 
 def add_inference_verbs(verbs: argparse._SubParsersAction) -> None:
