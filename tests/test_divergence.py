@@ -41,3 +41,21 @@ def test_a_sane_learning_rate_still_succeeds(quickstart, tmp_path):
     assert main(["train", quickstart, "--output_dir", str(out), "--max_steps", "3", "--eval_strategy", "no",
                  "--save_strategy", "steps", "--save_steps", "1"]) == 0
     assert (out / "model.safetensors").exists()
+
+
+def test_the_guard_reads_fsdp2s_dtensor_gradient_norm(tmp_path):
+    """Under FSDP2 clip_grad_norm_ returns the norm as a replicated DTensor, which refuses .tolist(): the guard's read
+    crashed every FSDP run at the end of its first optimizer step."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from sft.training.divergence import host_values
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        norm = DTensor.from_local(torch.tensor(0.75), init_device_mesh("cpu", (1,)), [Replicate()])
+        assert host_values(torch.tensor(1.5), norm) == [1.5, 0.75]
+    finally:
+        dist.destroy_process_group()

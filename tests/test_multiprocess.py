@@ -1,5 +1,6 @@
 """Two processes under torchrun: ZeRO-3 on CPU (gloo) really partitions, matches one process and saves reloadable
-weights; on CUDA the fsdp preset really wraps each decoder layer in FSDP2.
+weights; the fsdp preset really wraps each decoder layer in FSDP2 (on CUDA, and on CPU through
+tests/fsdp_cpu_probe.py, which keeps accelerate from turning FSDP into DDP there).
 
 Each run goes through `python -m sft train` (tests/sharding_probe.py adds only a callback recording the sharding).
 The first ZeRO-3 run on a machine JIT-compiles DeepSpeed's CPU shared-memory comm op (a few minutes, cached in
@@ -229,3 +230,26 @@ def test_ranks_that_exit_right_after_their_last_collective_finish_cleanly(tmp_pa
             assert run_ranks([EXIT_PROBE, mode, tmp_path], nproc=3) == [128 + signal.SIGTERM] * 3
         stamps = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
         assert min(s["left"] for s in stamps) >= max(s["done"] for s in stamps)  # no rank left before all were done
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_whole_model(recipe, tmp_path, tiny_model_dir,
+                                                                                  single_process_loss):
+    """The fsdp preset as accelerate runs it on GPUs (fsdp2_prepare_model with sft's wrap classes), on gloo: the
+    divergence guard read the DTensor gradient norm FSDP2 returns, which crashed every FSDP run after step 1."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run = tmp_path / "fsdp"
+    torchrun([REPO / "tests" / "fsdp_cpu_probe.py", "train", recipe, "--output_dir", run, "--distributed", "fsdp"])
+    units = json.loads((run / "fsdp-rank0.json").read_text())["units"]
+    assert units["model.layers.0"] == units["model.layers.1"] == "FSDPLlamaDecoderLayer" and "" in units
+    losses = step_losses(run)
+    assert len(losses) == 3 and abs(losses[0] - single_process_loss) < 1e-5
+    shards = run / "checkpoint-3" / "pytorch_model_fsdp_0"
+    assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # each rank's shard
+    dcp_to_torch_save(shards, tmp_path / "consolidated.pt")
+    trained = torch.load(tmp_path / "consolidated.pt")["model"]
+    saved = load_file(run / "model.safetensors")  # one whole file, not per-rank pieces
+    assert set(saved) == set(trained) == set(load_file(tiny_model_dir / "model.safetensors"))
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, trained[name]), name

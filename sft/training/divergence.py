@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from torch.distributed.tensor import DTensor
 from transformers import (
     TrainerCallback,
     TrainerControl,
@@ -23,6 +24,9 @@ from transformers.trainer_utils import get_last_checkpoint
 
 def host_values(*values: torch.Tensor | float) -> list[float]:
     """The scalars as Python floats, device tensors read in one transfer (one wait for the device)."""
+    # FSDP2's gradient norm is a DTensor (clip_grad_norm_ over sharded gradients), which refuses .tolist(): read its
+    # full value (replicated: no communication) like any tensor.
+    values = tuple(v.full_tensor() if isinstance(v, DTensor) else v for v in values)
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
     if device is None:
         return [float(v) for v in values]
