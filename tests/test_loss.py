@@ -51,3 +51,35 @@ def test_frozen_head_gets_no_gradient_but_hidden_does():
     loss.backward()
     reference = torch.nn.functional.cross_entropy(hidden.detach().requires_grad_() @ weight.T, targets)
     assert torch.allclose(loss, reference, atol=1e-6) and hidden.grad is not None and weight.grad is None
+
+
+def test_chunked_loss_gathers_a_head_that_fsdp2_shards_as_its_own_unit(tmp_path):
+    """accelerate makes the LM head an FSDP2 unit of its own where it finds no final norm beside it (PEFT models):
+    its weight is gathered only by its forward, which the chunked loss does not call, so a LoRA + FSDP run failed
+    its first step with "aten.mm.default got mixed torch.Tensor and DTensor". Loss and every gradient (the head's,
+    reduced by FSDP2's end-of-backward callback, included) must equal the unsharded model's."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_llama(300)
+    inputs = batch(300)
+    reference = copy.deepcopy(model)
+    attach_chunked_loss(reference)
+    expected_loss = reference(**inputs).loss
+    expected_loss.backward()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        assert attach_chunked_loss(model)  # at load, before the Trainer shards the model
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model.lm_head)  # its own unit, as accelerate's fsdp2_prepare_model makes it for a PEFT model
+        fully_shard(model)
+        loss = model(**inputs).loss
+        loss.backward()
+        assert torch.allclose(loss, expected_loss, atol=1e-6)
+        for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+            assert torch.allclose(param.grad.full_tensor(), ref.grad, atol=1e-6), name
+    finally:
+        dist.destroy_process_group()

@@ -253,3 +253,24 @@ def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_whole_model(
     assert set(saved) == set(trained) == set(load_file(tiny_model_dir / "model.safetensors"))
     for name, tensor in saved.items():
         assert torch.equal(tensor, trained[name]), name
+
+
+@pytest.mark.slow
+def test_fsdp2_lora_on_two_cpu_processes_trains_the_adapter_of_one_process(recipe, tmp_path):
+    """LoRA under the fsdp preset: accelerate shards the head as a unit of its own, which the chunked loss gathers;
+    the 3 step losses and the saved adapter equal a one-process run over the same global batches."""
+    lora = ["--use_peft", "true", "--lora_dropout", "0.0"]
+    single = tmp_path / "single"
+    train(load_recipe(recipe, flags=lora, distributed=None, per_device_train_batch_size=4, save_strategy="no",
+                      output_dir=str(single)))
+    run = tmp_path / "fsdp-lora"
+    torchrun([REPO / "tests" / "fsdp_cpu_probe.py", "train", recipe, "--output_dir", run, "--distributed", "fsdp",
+              *lora])
+    units = json.loads((run / "fsdp-rank0.json").read_text())["units"]
+    assert units["base_model.model.lm_head"] == "FSDPLinear" and "base_model.model.model.norm" not in units
+    assert step_losses(run) == pytest.approx(step_losses(single), abs=1e-5)
+    adapter, expected = load_file(run / "adapter_model.safetensors"), load_file(single / "adapter_model.safetensors")
+    assert len(adapter) == 28 and set(adapter) == set(expected)  # A and B of the 7 linear layers of 2 blocks
+    for name, tensor in adapter.items():
+        assert torch.allclose(tensor, expected[name], atol=1e-5), name
+    assert any(tensor.abs().max() > 0 for name, tensor in adapter.items() if "lora_B" in name)  # it trained

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.utils import ModelOutput
@@ -166,7 +167,7 @@ def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: 
     hidden = self.get_decoder()(*args, use_cache=False, **kwargs).last_hidden_state
     targets = labels[:, 1:]
     keep = targets != IGNORE_INDEX
-    weight = self.get_output_embeddings().weight
+    weight = gathered_head(self.get_output_embeddings()).weight
     chunk = chunk_rows(weight.shape[0])
     normalizer = keep.sum() if num_items_in_batch is None else num_items_in_batch
     normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
@@ -184,6 +185,17 @@ def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: 
     picked_losses = eager_token_losses(picked_hidden, weight, picked_targets, chunk)
     token_losses.view(-1).index_copy_(0, index, picked_losses)
     return TrainedTokensOutput(loss=token_losses.sum() / normalizer, token_losses=token_losses)
+
+
+def gathered_head(head: nn.Module) -> nn.Module:
+    """The LM head with its whole weight. FSDP2 gathers a unit's parameters in the unit's forward, which the chunked
+    loss does not call: accelerate shards the head with the final norm (gathered in the norm's forward), but as a
+    unit of its own where it finds no norm beside it (a PEFT model), where the weight stayed a shard (a DTensor:
+    "aten.mm.default got mixed torch.Tensor and DTensor"). FSDP2's end-of-backward callback reduces its gradient
+    and reshards it, as for a unit whose forward ran."""
+    if isinstance(head, FSDPModule):
+        head.unshard()  # no-op when already gathered
+    return head
 
 
 def liger_loss(liger: Callable, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
