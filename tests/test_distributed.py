@@ -64,6 +64,34 @@ def test_fsdp_preset_wraps_the_decoder_layer_class_of_each_architecture(tmp_path
     assert set(expected) <= module_classes
 
 
+def test_fsdp_wrap_class_the_model_lacks_is_refused_naming_its_blocks(tmp_path):
+    """accelerate found the wrong name only once data and weights were loaded, as a traceback (on GPUs only: on CPU
+    FSDP becomes DDP and the name was never read)."""
+    folder = tiny_config_dir(tmp_path, "llama")
+    wrong = {"model_name_or_path": str(folder), "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaBlock"]}}
+    for values in ({**wrong, "distributed": "fsdp"}, {**wrong, "fsdp": "full_shard auto_wrap"}):
+        with pytest.raises(SFTError, match=r"^fsdp_config.transformer_layer_cls_to_wrap: LlamaBlock is not a module "
+                           r"class of the llama model \(LlamaForCausalLM\); its repeated blocks are LlamaDecoderLayer. "
+                           r"Set fsdp_config: \{transformer_layer_cls_to_wrap: \[LlamaDecoderLayer\]\}.$"):
+            load_recipe(values)
+    other = load_recipe({**wrong, "distributed": "fsdp", "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaMLP"]}})
+    assert other.fsdp_plugin_args["transformer_cls_names_to_wrap"] == "LlamaMLP"  # a real class: the user's choice
+
+
+def test_fsdp_of_a_model_without_blocks_to_split_is_refused_naming_them(tmp_path):
+    """BioGPT's class has no _no_split_modules and sft no wrap class: accelerate would make the whole model one FSDP
+    unit (every weight gathered at once) without a word."""
+    folder = tmp_path / "biogpt"
+    AutoConfig.for_model("biogpt", hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         vocab_size=64).save_pretrained(folder)
+    with pytest.raises(SFTError, match=r"FSDP cannot tell which blocks of the biogpt model \(BioGptForCausalLM\) to "
+                       r"shard .* Set fsdp_config: \{transformer_layer_cls_to_wrap: \[BioGptDecoderLayer\]\}"):
+        load_recipe({"model_name_or_path": str(folder), "distributed": "fsdp"})
+    chosen = load_recipe({"model_name_or_path": str(folder), "distributed": "fsdp",
+                          "fsdp_config": {"transformer_layer_cls_to_wrap": ["BioGptDecoderLayer"]}})
+    assert chosen.fsdp_plugin_args["transformer_cls_names_to_wrap"] == "BioGptDecoderLayer"
+
+
 def test_fsdp_preset_is_fsdp2_with_sharded_checkpoints(tmp_path):
     config = load_recipe({"model_name_or_path": str(tiny_config_dir(tmp_path, "llama")), "distributed": "fsdp"})
     assert config.fsdp is True

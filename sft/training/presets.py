@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer
+from torch import nn
+from transformers import PretrainedConfig, Trainer
 
 from sft.config.arguments import SFTConfig
 from sft.config.names import DISTRIBUTED_PRESETS
@@ -22,6 +23,7 @@ from sft.errors import SFTError
 from sft.models.adapters import base_model_name, is_adapter_folder
 from sft.models.architectures import model_architecture
 from sft.models.families import wrap_classes
+from sft.models.loading import auto_model_class
 from sft.models.quantization import compute_dtype_name
 from sft.training.catalog import shipped
 
@@ -61,6 +63,7 @@ def apply_distributed(values: dict) -> dict:
         values["deepspeed"] = str(DEEPSPEED_CONFIGS[preset])
     check_deepspeed_config(values.get("deepspeed"))
     check_combinations(values)
+    check_wrap_classes(values)
     values.update(peft_zero3_settings(values))
     return values
 
@@ -125,19 +128,67 @@ def fsdp_settings(values: dict, preset: str) -> dict:
 def recipe_wrap_classes(values: dict) -> list[str] | None:
     """The layer classes FSDP wraps for the recipe's model (sft.models.families), from its config (no weights are
     read)."""
+    config = recipe_model_config(values)
+    return wrap_classes(config) if config is not None else None
+
+
+def recipe_model_config(values: dict, warn: bool = True) -> PretrainedConfig | None:
+    """The config of the recipe's model (an adapter's base), or None when it cannot be read offline (said when
+    `warn`)."""
     name = values.get("model_name_or_path")
     if not name:
         return None
     if is_adapter_folder(name):
         name = base_model_name(name)
     try:
-        config = model_architecture(name, values.get("revision"), values.get("cache_dir"),
-                                    values.get("trust_remote_code", False))
+        return model_architecture(name, values.get("revision"), values.get("cache_dir"),
+                                  values.get("trust_remote_code", False))
     except SFTError as err:
         # accelerate falls back to the model's _no_split_modules when it wraps, which is what we would pick too
-        log.warning("%s FSDP will wrap the model's _no_split_modules.", err)
+        if warn:
+            log.warning("%s FSDP will wrap the model's _no_split_modules.", err)
         return None
-    return wrap_classes(config)
+
+
+def check_wrap_classes(values: dict) -> None:
+    """Refuse FSDP wrap classes the model does not have, and a model FSDP would not split into units, when the recipe
+    is read. accelerate reported a wrong class name only after the data was tokenized and the weights loaded, as a
+    traceback ("Could not find the transformer layer class X in the model."), and wraps a model without
+    _no_split_modules (BioGPT, CTRL, OpenAI GPT, XLM, ...) as one unit, gathering every weight at once."""
+    fsdp = fsdp_config_dict(values.get("fsdp_config")) if values.get("fsdp") else {}
+    if not values.get("fsdp") or fsdp.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
+        return
+    names = fsdp.get("transformer_layer_cls_to_wrap")
+    names = names.split(",") if isinstance(names, str) else list(names or [])  # transformers joins them with ","
+    config = recipe_model_config(values, warn=False)  # fsdp_settings has said so for a preset
+    known = set(wrap_classes(config) or ()) if config is not None else set()
+    if config is None or (set(names) <= known if names else known):
+        return  # unknown model (accelerate decides), or the classes sft itself picks for it
+    model = meta_model(config, values.get("trust_remote_code", False))
+    if model is None:
+        return
+    blocks = sorted({type(block).__name__ for module in model.modules() if isinstance(module, nn.ModuleList)
+                     for block in module})
+    where = f"{config.model_type} model ({type(model).__name__})"
+    fix = f"Set fsdp_config: {{transformer_layer_cls_to_wrap: [{', '.join(blocks) or '...'}]}}"
+    missing = [n for n in names if n not in {type(m).__name__ for m in model.modules()}]
+    if missing:
+        raise SFTError(f"fsdp_config.transformer_layer_cls_to_wrap: {', '.join(missing)} is not a module class of the "
+                       f"{where}; its repeated blocks are {', '.join(blocks) or 'none'}. {fix}.")
+    if not names and not getattr(model, "_no_split_modules", None):
+        raise SFTError(f"FSDP cannot tell which blocks of the {where} to shard one at a time: sft has no wrap class "
+                       "for it and it defines no _no_split_modules, so FSDP would gather the whole model at once. "
+                       f"{fix}.")
+
+
+def meta_model(config: PretrainedConfig, trust_remote_code: bool) -> nn.Module | None:
+    """The model of `config` built on the meta device (module structure, no memory, ~2 s for 70B), or None when
+    transformers cannot build it from the config alone (remote code that is not trusted, a config-only class)."""
+    try:
+        with torch.device("meta"):
+            return auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, ImportError, TypeError, KeyError):
+        return None
 
 
 def check_deepspeed_config(deepspeed: dict | str | None) -> None:
