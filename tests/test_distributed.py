@@ -92,6 +92,20 @@ def test_fsdp_of_a_model_without_blocks_to_split_is_refused_naming_them(tmp_path
     assert chosen.fsdp_plugin_args["transformer_cls_names_to_wrap"] == "BioGptDecoderLayer"
 
 
+def test_save_only_model_with_the_fsdp_preset_saves_whole_checkpoints(tmp_path):
+    """The Trainer refuses save_only_model with SHARDED_STATE_DICT (the preset's) once data and model are loaded."""
+    folder = str(tiny_config_dir(tmp_path, "llama"))
+    config = load_recipe({"model_name_or_path": folder, "distributed": "fsdp", "save_only_model": True})
+    assert config.fsdp_plugin_args["state_dict_type"] == "FULL_STATE_DICT"
+    with pytest.raises(SFTError, match="save_only_model with FSDP needs whole-model checkpoints: remove "
+                                       "fsdp_config.state_dict_type: SHARDED_STATE_DICT"):
+        load_recipe({"model_name_or_path": folder, "distributed": "fsdp", "save_only_model": True,
+                     "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}})
+    with pytest.raises(SFTError, match="save_only_model cannot be combined with FSDP and load_best_model_at_end"):
+        load_recipe({"model_name_or_path": folder, "distributed": "fsdp", "save_only_model": True,
+                     "load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"})
+
+
 def test_fsdp_preset_is_fsdp2_with_sharded_checkpoints(tmp_path):
     config = load_recipe({"model_name_or_path": str(tiny_config_dir(tmp_path, "llama")), "distributed": "fsdp"})
     assert config.fsdp is True

@@ -106,6 +106,9 @@ def fsdp_settings(values: dict, preset: str) -> dict:
     """fsdp, fsdp_config (preset under the recipe's own keys) and the checkpointing/4-bit settings FSDP needs."""
     user = fsdp_config_dict(values.get("fsdp_config"))
     config = dict(FSDP_PRESETS[preset])
+    if values.get("save_only_model"):
+        # model-only checkpoints are whole (the Trainer refuses save_only_model with sharded ones, once loaded)
+        config["state_dict_type"] = "FULL_STATE_DICT"
     if "transformer_layer_cls_to_wrap" not in user:
         wrap = recipe_wrap_classes(values)
         if wrap:
@@ -273,6 +276,14 @@ def check_combinations(values: dict) -> None:
                        "partitions the packed bitsandbytes weights as if they were plain tensors. Use FSDP-QLoRA "
                        "(`distributed: fsdp` with load_in_4bit: it shards the 4-bit base across GPUs), `distributed: "
                        "zero2`, or a single GPU. See docs/distributed.md.")
+    sharded_checkpoints = "SHARDED" in str(fsdp_config_dict(values.get("fsdp_config")).get("state_dict_type", "FULL"))
+    # The Trainer refuses both only once the data is tokenized and the model loaded.
+    if fsdp and values.get("save_only_model") and sharded_checkpoints:
+        raise SFTError("save_only_model with FSDP needs whole-model checkpoints: remove fsdp_config.state_dict_type: "
+                       "SHARDED_STATE_DICT (the fsdp presets then save whole ones), or save_only_model.")
+    if fsdp and values.get("save_only_model") and values.get("load_best_model_at_end"):
+        raise SFTError("save_only_model cannot be combined with FSDP and load_best_model_at_end (the best checkpoint "
+                       "would hold no optimizer state to go on from); remove one of them.")
     if fsdp and values.get("load_in_8bit"):
         raise SFTError("load_in_8bit cannot be sharded by FSDP; use load_in_4bit (FSDP-QLoRA) or `distributed: ddp`.")
 
