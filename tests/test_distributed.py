@@ -297,6 +297,10 @@ def test_fsdp_qlora_stores_4bit_weights_in_the_compute_dtype(tmp_path):
     assert load_recipe({**base, "bnb_4bit_quant_storage": "uint8"}).bnb_4bit_quant_storage == "uint8"  # user wins
     single_gpu = load_recipe({"model_name_or_path": folder, "use_peft": True, "load_in_4bit": True})
     assert single_gpu.bnb_4bit_quant_storage is None
+    # FSDP without a preset too: with uint8 storage accelerate leaves the 4-bit base out of sharding
+    for fsdp in (True, "full_shard auto_wrap"):
+        qlora = {"model_name_or_path": folder, "fsdp": fsdp, "use_peft": True, "load_in_4bit": True}
+        assert load_recipe({**qlora, "bnb_4bit_compute_dtype": "bfloat16"}).bnb_4bit_quant_storage == "bfloat16"
 
 
 def test_fsdp_and_deepspeed_together_are_refused():

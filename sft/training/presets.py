@@ -64,6 +64,7 @@ def apply_distributed(values: dict) -> dict:
     check_deepspeed_config(values.get("deepspeed"))
     check_combinations(values)
     check_wrap_classes(values)
+    values.update(fsdp_qlora_settings(values))
     values.update(peft_zero3_settings(values))
     return values
 
@@ -103,7 +104,7 @@ def fsdp_config_dict(value: dict | str | None) -> dict:
 
 
 def fsdp_settings(values: dict, preset: str) -> dict:
-    """fsdp, fsdp_config (preset under the recipe's own keys) and the checkpointing/4-bit settings FSDP needs."""
+    """fsdp, fsdp_config (preset under the recipe's own keys) and the checkpointing settings FSDP needs."""
     user = fsdp_config_dict(values.get("fsdp_config"))
     config = dict(FSDP_PRESETS[preset])
     if values.get("save_only_model"):
@@ -121,11 +122,17 @@ def fsdp_settings(values: dict, preset: str) -> dict:
         config["activation_checkpointing"] = True
         out["activation_checkpointing"] = False
     out["fsdp_config"] = {**config, **user}
-    if values.get("load_in_4bit") and values.get("bnb_4bit_quant_storage") is None:
-        # FSDP-QLoRA: FSDP flattens the packed 4-bit weights with the float ones, so they must share a dtype.
-        out["bnb_4bit_quant_storage"] = compute_dtype_name(values.get("bnb_4bit_compute_dtype"), values.get("dtype"),
-                                                           values.get("bf16"), values.get("fp16"))
     return out
+
+
+def fsdp_qlora_settings(values: dict) -> dict:
+    """FSDP-QLoRA (a preset, `fsdp: true` or Alpaca's fsdp strings alike): the packed 4-bit weights stored in the
+    compute dtype. FSDP shards them with the float ones, so they must share a dtype; with the default uint8 accelerate
+    leaves them out of sharding, and every GPU holds the whole 4-bit base."""
+    if not values.get("fsdp") or not values.get("load_in_4bit") or values.get("bnb_4bit_quant_storage") is not None:
+        return {}
+    return {"bnb_4bit_quant_storage": compute_dtype_name(values.get("bnb_4bit_compute_dtype"), values.get("dtype"),
+                                                         values.get("bf16"), values.get("fp16"))}
 
 
 def recipe_wrap_classes(values: dict) -> list[str] | None:
