@@ -112,6 +112,20 @@ def test_decoding_settings_come_from_the_recipe(tiny_model_dir, tokenizer, tmp_p
     assert set(config.eos_token_id) == {5, tokenizer.eos_token_id}  # the config's stop ids and the tokenizer's EOS
 
 
+def test_a_model_published_with_beam_search_is_evaluated_and_generated_greedily(tokenizer, tmp_path):
+    """BART-CNN-style generation configs ask for beams; sft's default decoding is greedy, as documented."""
+    from sft.evaluation.generation import GenerationOptions, generation_config
+
+    model = make_llama(len(tokenizer))
+    model.generation_config.update(num_beams=4, early_stopping=True)
+    args = SFTConfig(output_dir=str(tmp_path), predict_with_generate=True)
+    assert eval_generation_config(model, tokenizer, args).num_beams == 1
+    assert generation_config(model, tokenizer, GenerationOptions()).num_beams == 1
+    assert generation_config(model, tokenizer, GenerationOptions(do_sample=True)).num_beams == 1  # plain sampling
+    args = SFTConfig(output_dir=str(tmp_path), predict_with_generate=True, generation_num_beams=2)
+    assert eval_generation_config(model, tokenizer, args).num_beams == 2  # the recipe's beams still apply
+
+
 @pytest.mark.parametrize("model", ["test", "embedded"])
 def test_tiny_causal_model_memorises_and_generation_eval_scores_exact_match_1(model, tiny_model_dir, qa_file, tmp_path):
     if model == "embedded" and not (EMBEDDED_MODEL / "config.json").exists():

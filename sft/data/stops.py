@@ -13,7 +13,7 @@ KNOWN_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_
 
 
 def stop_tokens(tokenizer: PreTrainedTokenizerBase, template: str | None = None,
-                generation_eos: int | list[int] | None = None) -> list[str]:
+                generation_eos: int | list[int] | None = None, masks: bool = True) -> list[str]:
     """The tokens generation stops on, which are also the tokens that end a trained assistant turn.
 
     The one place this is decided (chat masks call it; `sft generate`/`chat`, generation-based eval and `sft check
@@ -26,7 +26,7 @@ def stop_tokens(tokenizer: PreTrainedTokenizerBase, template: str | None = None,
     """
     configured = generation_eos if isinstance(generation_eos, list) else [generation_eos]
     own = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token]
-    tokens = list(dict.fromkeys([*own, *(_configured_stop(tokenizer, i) for i in configured if i is not None)]))
+    tokens = list(dict.fromkeys([*own, *(_configured_stop(tokenizer, i, masks) for i in configured if i is not None)]))
     template = template or tokenizer.chat_template
     final = _text_after_reply(tokenizer, template, False)
     if generation_eos is not None and final is not None and any(t in final for t in tokens):
@@ -40,18 +40,21 @@ def stop_tokens(tokenizer: PreTrainedTokenizerBase, template: str | None = None,
     return tokens + ending[:1]
 
 
-def _configured_stop(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
-    """The token the model's generation config stops on, as this tokenizer writes it. Stop tokens are special
-    tokens; an id the tokenizer lacks, or reads as an ordinary piece of text, means it is another model's tokenizer
-    (its vocabulary numbers tokens differently), and every stop, mask and generation built on it would be wrong."""
+def _configured_stop(tokenizer: PreTrainedTokenizerBase, token_id: int, masks: bool) -> str:
+    """The token a generation config stops on, as this tokenizer writes it. An id the tokenizer lacks means it is
+    another model's tokenizer (its vocabulary numbers tokens differently). For `masks` (the model's own generation
+    config, ending trained turns) so does an id it reads as an ordinary piece of text: stop tokens are special
+    tokens, and turns would end at that text. A decoding config may stop at ordinary text on purpose (a newline)."""
     token = tokenizer.convert_ids_to_tokens(token_id) if 0 <= token_id < len(tokenizer) else None
-    if token in {*tokenizer.all_special_tokens, *(t.content for t in tokenizer.added_tokens_decoder.values())}:
+    specials = {*tokenizer.all_special_tokens, *(t.content for t in tokenizer.added_tokens_decoder.values())}
+    if token in specials or (token is not None and not masks):
         return token
     read = f"reads as the ordinary token {token!r}" if token is not None else f"lacks (it has {len(tokenizer)} tokens)"
-    raise SFTError(f"the model's generation_config.json stops generation at token id {token_id}, which the tokenizer "
-                   f"{tokenizer.name_or_path} {read}: the tokenizer is not this model's, so its ids name other "
-                   "tokens. Use the model's own tokenizer (leave tokenizer_name_or_path unset); if it is the model's "
-                   "own, fix eos_token_id in its generation_config.json.")
+    where = "the model's generation_config.json" if masks else "the generation config"
+    raise SFTError(f"{where} stops generation at token id {token_id}, which the tokenizer {tokenizer.name_or_path} "
+                   f"{read}: the tokenizer is not this model's, so its ids name other tokens. Use the model's own "
+                   "tokenizer (leave tokenizer_name_or_path unset); if it is the model's own, fix eos_token_id in "
+                   f"{where}.")
 
 
 def message_delimiters(tokenizer: PreTrainedTokenizerBase, template: str | None) -> list[str]:
@@ -80,7 +83,7 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_eos: int | lis
                    template: str | None = None) -> set[int]:
     """Ids of the stop tokens (stop_tokens) for generate(): `sft generate`/`chat`, generation-based eval, --prove."""
     vocab = tokenizer.get_vocab()  # a template's end marker that this vocabulary splits into pieces has no id
-    return {vocab[token] for token in stop_tokens(tokenizer, template, generation_eos) if token in vocab}
+    return {vocab[token] for token in stop_tokens(tokenizer, template, generation_eos, masks=False) if token in vocab}
 
 
 def _text_after_reply(tokenizer: PreTrainedTokenizerBase, template: str | None, followed: bool) -> str | None:

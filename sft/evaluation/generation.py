@@ -20,7 +20,8 @@ from sft.errors import SFTError
 
 # Greedy decoding ignores sampling knobs; clearing the model's own (e.g. temperature 0.6) avoids warnings and, in
 # evaluation, metrics that are noisy from run to run.
-GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+# Greedy search, whatever the model's generation config asks for (sampling, or beams as BART-CNN's does)
+GREEDY = dict(do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None)
 
 
 @dataclass
@@ -119,7 +120,7 @@ def reply_tokens(output: torch.Tensor, prompt: torch.Tensor, encoder_decoder: bo
 def generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                       options: GenerationOptions) -> GenerationConfig:
     """The model's generation config with the requested decoding; stops at EOS or the template's end of turn."""
-    sampling = dict(do_sample=True, temperature=options.temperature, top_p=options.top_p)
+    sampling = dict(do_sample=True, num_beams=1, temperature=options.temperature, top_p=options.top_p)
     return decoding_config(model, tokenizer, max_new_tokens=options.max_new_tokens,
                            **(sampling if options.do_sample else GREEDY))
 
