@@ -86,3 +86,20 @@ def test_check_samples_a_local_eval_dataset(tmp_path, capsys):
     assert values["eval_dataset"] == [{"path": str(tmp_path / "qa.jsonl"), "split": "train[:64]",
                                        "columns": {"question": "prompt", "answer": "completion"}}]
     assert not values.get("eval_split_size") and report.data.endswith(", eval_dataset too")
+
+
+@pytest.mark.parametrize("key", ["dataset", "eval_dataset"])
+def test_a_misspelt_local_data_path_fails_check(tmp_path, capsys, key):
+    """A path to a file that is not there is a typo `sft train` refuses: `sft check` took it for data out of reach
+    (a Hub dataset on an offline machine), ran the smoke on the project's sample data and printed OK."""
+    recipe = tmp_path / "recipe.yaml"
+    text = (REPO / "recipes" / "quickstart.yaml").read_text()
+    typo = tmp_path / "alpaca_smaple.json"
+    if key == "dataset":
+        text = text.replace("dataset: data/alpaca_sample.json", f"dataset: {typo}")
+    else:
+        text = text.replace("eval_split_size: 0.1", f"eval_dataset: {typo}")
+    recipe.write_text(text)
+    assert main(["check", str(recipe)]) == 2
+    captured = capsys.readouterr()
+    assert f"Dataset file {typo} does not exist" in captured.err and "OK" not in captured.out

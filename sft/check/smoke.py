@@ -22,7 +22,7 @@ from transformers import (
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config.arguments import SFTConfig
-from sft.data.sources import Source, parse_sources
+from sft.data.sources import Source, all_local, parse_sources
 from sft.errors import SFTError
 from sft.evaluation.metrics import check_best_metric
 from sft.models.families import VARLEN, guess_model_type
@@ -137,14 +137,15 @@ def single_process(config: SFTConfig, report: CheckReport) -> dict:
 def sample_data(config: SFTConfig, report: CheckReport) -> dict:
     """The recipe's own data when it is a local file, else the project's sample data of the declared format."""
     sources = parse_sources(config.dataset)
-    if all(Path(s.path).expanduser().exists() for s in sources):
+    evaluation = parse_sources(config.eval_dataset, "eval_dataset") if config.eval_dataset is not None else []
+    local_evaluation = all_local(evaluation)  # first: a typo in either path is an error, not "out of reach"
+    if all_local(sources):
         report.data = f"the recipe's own data (first {SAMPLE_ROWS} rows of each source)"
         held_out = {"eval_dataset": None, "eval_split_size": 8}
         # A local eval_dataset is sampled too: replaced by held-out training rows, a file that `sft train` refuses
         # (a format it cannot tell, a `columns` key it lacks) passed the check, and one in another format than the
         # training data was never rendered.
-        evaluation = parse_sources(config.eval_dataset, "eval_dataset") if config.eval_dataset is not None else []
-        if evaluation and all(Path(s.path).expanduser().exists() for s in evaluation):
+        if evaluation and local_evaluation:
             report.data += ", eval_dataset too"
             held_out = {"eval_dataset": [_sample(s) for s in evaluation]}
         return {"dataset": [_sample(s) for s in sources], **held_out}

@@ -88,7 +88,16 @@ def _load_saved(path: Path, split: str) -> datasets.Dataset:
     return _sliced(saved, f"train[{part}" if part else "train", path)
 
 
-def _check_reachable(source: Source) -> None:
+def all_local(sources: list[Source]) -> bool:
+    """Whether every source is on this machine. A missing one that looks like a path is a typo `sft train` refuses
+    (SFTError), not data out of reach: `sft check` and `sft plan` must not stand sample data in for it."""
+    missing = [source for source in sources if not Path(source.path).expanduser().exists()]
+    for source in missing:
+        check_reachable(source)
+    return not missing
+
+
+def check_reachable(source: Source) -> None:
     """A path-looking source that is not on disk is a typo, not a Hub id."""
     if looks_local(source.path) or Path(source.path).suffix in FILE_TYPES:
         raise SFTError(f"Dataset file {source.path} does not exist. Check the path (relative paths start from "
@@ -263,7 +272,7 @@ def _check_rows_are_objects(path: Path, rows: Any) -> None:
 
 
 def _load_hub(source: Source) -> datasets.Dataset:
-    _check_reachable(source)
+    check_reachable(source)
     try:
         return datasets.load_dataset(source.path, source.name, data_dir=source.data_dir, split=source.split)
     except Exception as err:

@@ -309,15 +309,13 @@ def search(config: SFTConfig, arch: PretrainedConfig, gpu: GPU, setup: Setup, mo
 
 def run_length(config: SFTConfig, setup: Setup, tokens_per_second: float) -> tuple[int | None, float | None]:
     """(optimizer steps, hours): from max_steps, else from the data's own statistics when it is local."""
-    from pathlib import Path
-
-    from sft.data.sources import parse_sources
+    from sft.data.sources import all_local, parse_sources
 
     rows_per_step = setup.global_batch
     if config.max_steps and config.max_steps > 0:
         steps = config.max_steps
         return steps, steps * rows_per_step * setup.max_length / tokens_per_second / 3600
-    if not all(Path(s.path).exists() for s in parse_sources(config.dataset)):
+    if not all_local(parse_sources(config.dataset)):
         return None, None
     from sft.data.describe import describe_data
 
