@@ -103,3 +103,13 @@ def test_a_misspelt_local_data_path_fails_check(tmp_path, capsys, key):
     assert main(["check", str(recipe)]) == 2
     captured = capsys.readouterr()
     assert f"Dataset file {typo} does not exist" in captured.err and "OK" not in captured.out
+
+
+def test_max_length_beyond_the_models_positions_fails_check(capsys):
+    """`sft train` refuses a max_length beyond the model's positions; `sft check` ran its tiny stand-in (1024
+    positions, max_length capped at 256) and printed OK for Mistral-7B-Instruct-v0.3 at max_length 65536."""
+    flags = ["--model_name_or_path", "mistralai/Mistral-7B-Instruct-v0.3", "--max_length", "65536"]
+    assert main(["check", "recipes/quickstart.yaml", *flags]) == 2
+    captured = capsys.readouterr()
+    assert "max_length=65536 is beyond the 32768 positions the model mistralai/Mistral-7B-Instruct-v0.3 has" in (
+        captured.err) and "OK" not in captured.out

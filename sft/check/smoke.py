@@ -93,11 +93,27 @@ def tiny_recipe(path: str, flags: list[str] | None, folder: Path) -> tuple[SFTCo
     `folder`) and its sample data, and the report of what was replaced or skipped."""
     config = load_recipe(path, flags=flags)
     unset_hf_deepspeed_config()  # validating a ZeRO-3 recipe sets a global that would partition the tiny model
+    check_positions(config)
     report = CheckReport(recipe=str(path))
     overrides = cpu_overrides(config, report, folder)
     overrides.update(sample_data(config, report))
     overrides.update(tiny_model(config, report, folder / "model"))
     return config, {**{k: getattr(config, k) for k in config.recipe_keys}, **overrides}, report
+
+
+def check_positions(config: SFTConfig) -> None:
+    """Refuse a max_length beyond the recipe model's positions as `sft train` does, where its config is reachable
+    offline (a local folder, the HF cache, sft's built-in table): the tiny stand-in model has positions of its own,
+    and the smoke run a shorter max_length."""
+    from sft.models.architectures import model_architecture
+    from sft.models.loading import base_model
+    from sft.training.flows import fitted_max_length
+
+    try:
+        real = model_architecture(base_model(config), config.revision, config.cache_dir, config.trust_remote_code)
+    except SFTError:
+        return  # out of reach here: `sft train` checks it when it reads the config
+    fitted_max_length(config, real)
 
 
 def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:

@@ -8,6 +8,7 @@ from pathlib import Path
 import datasets
 import transformers
 from peft import PeftModel
+from transformers import PretrainedConfig
 from transformers.trainer_utils import get_last_checkpoint
 
 from sft import rundir
@@ -213,12 +214,13 @@ def check_checkpoint(folder: Path, out: Path) -> None:
                    f"weights with a new optimizer and schedule, pass --model_name_or_path {folder} instead.")
 
 
-def fitted_max_length(config: SFTConfig) -> int:
+def fitted_max_length(config: SFTConfig, model_config: PretrainedConfig | None = None) -> int:
     """The max_length a run uses: beyond the model's positions it is refused when the recipe sets it (a warning when
-    the model scales RoPE); the default max_length is lowered to the model's positions instead."""
+    the model scales RoPE); the default max_length is lowered to the model's positions instead. `model_config`:
+    the model's config when the caller has it (sft check, whose own model is a tiny stand-in)."""
     if config.model_name_or_path is None:
         return config.max_length
-    model_config = load_model_config(config)
+    model_config = model_config or load_model_config(config)
     positions = getattr(model_config, "max_position_embeddings", None)
     if not isinstance(positions, int) or config.max_length <= positions:
         return config.max_length
