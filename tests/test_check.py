@@ -6,7 +6,7 @@ from sft.cli.main import main
 from sft.models.families import guess_model_type
 from sft.training.catalog import list_recipes
 
-from conftest import REPO
+from conftest import FIXTURES, REPO
 
 RECIPES = list_recipes(REPO / "recipes")
 
@@ -113,3 +113,50 @@ def test_max_length_beyond_the_models_positions_fails_check(capsys):
     captured = capsys.readouterr()
     assert "max_length=65536 is beyond the 32768 positions the model mistralai/Mistral-7B-Instruct-v0.3 has" in (
         captured.err) and "OK" not in captured.out
+
+
+TOKENIZERS = FIXTURES / "tokenizers"
+
+
+@pytest.mark.skipif(not TOKENIZERS.is_dir(), reason=f"real tokenizers not found at {TOKENIZERS} (set SFT_FIXTURES)")
+@pytest.mark.parametrize("tokenizer, model, problem", [
+    ("meta-llama-3-8b-instruct", "mistralai/Mistral-7B-Instruct-v0.3",
+     "it has 128256 tokens, the model's embeddings 32768 rows, so 95488 new untrained rows are added"),
+    ("tinyllama-1.1b-chat-v1.0", "meta-llama/Llama-3.2-1B",
+     "it has 32000 tokens, the model's embeddings 128256 rows, so its ids name other tokens' embeddings"),
+    ("mistral-7b-instruct-v0.3", "mistralai/Mistral-7B-Instruct-v0.3", None),
+    ("qwen2.5-coder-3b-instruct", "Qwen/Qwen2.5-7B", None),  # 151665 tokens on 152064 padded rows: its own
+])
+def test_another_familys_tokenizer_fails_check(tmp_path, tokenizer, model, problem):
+    """sft check sized its stand-in model to the tokenizer, so a Llama-3 tokenizer on Mistral (95488 rows of noise)
+    or TinyLlama's on Llama-3.2 (ids pointing at other tokens' rows) printed OK; sft train only warns (the second
+    not at all)."""
+    from sft.check.smoke import tiny_recipe
+    from sft.errors import SFTError
+
+    recipe = {"model_name_or_path": model, "tokenizer_name_or_path": str(TOKENIZERS / tokenizer),
+              "dataset": "data/chat_sample.jsonl", "output_dir": str(tmp_path / "run")}
+    if problem is None:
+        tiny_recipe(recipe, None, tmp_path)
+        return
+    with pytest.raises(SFTError, match="does not fit the model") as err:
+        tiny_recipe(recipe, None, tmp_path)
+    assert problem in str(err.value)
+
+
+def test_a_tokenizer_under_half_the_models_rows_warns_in_train(caplog):
+    """sft train warned only for a tokenizer larger than the model; one from a smaller vocabulary (Llama 2's on
+    Llama 3) trained silently with every id naming another token's embedding."""
+    import logging
+
+    from sft.models.loading import fit_embeddings
+
+    from conftest import make_llama, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    with caplog.at_level(logging.WARNING, logger="sft.models.loading"):
+        assert fit_embeddings(make_llama(vocab_size=len(tokenizer)), tokenizer) == []
+        assert "DOES NOT FIT" not in caplog.text
+        assert fit_embeddings(make_llama(vocab_size=2 * len(tokenizer) + 1), tokenizer) == []
+    assert (f"THE TOKENIZER DOES NOT FIT THE MODEL: it has {len(tokenizer)} tokens, the model's embeddings "
+            f"{2 * len(tokenizer) + 1} rows, so its ids name other tokens' embeddings") in caplog.text

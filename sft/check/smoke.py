@@ -18,6 +18,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
+    PretrainedConfig,
 )
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -26,9 +27,11 @@ from sft.data.sources import Source, all_local, parse_sources
 from sft.errors import SFTError
 from sft.evaluation.metrics import check_best_metric
 from sft.models.families import VARLEN, guess_model_type
+from sft.models.architectures import model_architecture
 from sft.models.hub import local_files_only
-from sft.models.loading import generation_eos
+from sft.models.loading import base_model, generation_eos, tokenizer_mismatch
 from sft.training.catalog import shipped
+from sft.training.flows import fitted_max_length
 from sft.training.presets import shards
 from sft.training.recipe import load_recipe
 
@@ -93,27 +96,23 @@ def tiny_recipe(path: str, flags: list[str] | None, folder: Path) -> tuple[SFTCo
     `folder`) and its sample data, and the report of what was replaced or skipped."""
     config = load_recipe(path, flags=flags)
     unset_hf_deepspeed_config()  # validating a ZeRO-3 recipe sets a global that would partition the tiny model
-    check_positions(config)
+    real = real_architecture(config)
+    if real is not None:  # the tiny stand-in has positions of its own, and the smoke run a shorter max_length
+        fitted_max_length(config, real)
     report = CheckReport(recipe=str(path))
     overrides = cpu_overrides(config, report, folder)
     overrides.update(sample_data(config, report))
-    overrides.update(tiny_model(config, report, folder / "model"))
+    overrides.update(tiny_model(config, report, folder / "model", real))
     return config, {**{k: getattr(config, k) for k in config.recipe_keys}, **overrides}, report
 
 
-def check_positions(config: SFTConfig) -> None:
-    """Refuse a max_length beyond the recipe model's positions as `sft train` does, where its config is reachable
-    offline (a local folder, the HF cache, sft's built-in table): the tiny stand-in model has positions of its own,
-    and the smoke run a shorter max_length."""
-    from sft.models.architectures import model_architecture
-    from sft.models.loading import base_model
-    from sft.training.flows import fitted_max_length
-
+def real_architecture(config: SFTConfig) -> PretrainedConfig | None:
+    """The recipe model's config where it is reachable here (a local folder, the HF cache, sft's built-in table, the
+    Hub when online), else None: `sft train` checks what depends on it when it reads the config."""
     try:
-        real = model_architecture(base_model(config), config.revision, config.cache_dir, config.trust_remote_code)
+        return model_architecture(base_model(config), config.revision, config.cache_dir, config.trust_remote_code)
     except SFTError:
-        return  # out of reach here: `sft train` checks it when it reads the config
-    fitted_max_length(config, real)
+        return None
 
 
 def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:
@@ -182,10 +181,16 @@ def guess_format(config: SFTConfig) -> str:
     return "messages" if config.chat_template else "alpaca"
 
 
-def tiny_model(config: SFTConfig, report: CheckReport, folder: Path) -> dict:
-    """Save a 2-layer model of the recipe's architecture with a local tokenizer; returns recipe overrides."""
+def tiny_model(config: SFTConfig, report: CheckReport, folder: Path, real: PretrainedConfig | None = None) -> dict:
+    """Save a 2-layer model of the recipe's architecture with a local tokenizer; returns recipe overrides. `real`:
+    the recipe model's config, when known, whose vocabulary the tokenizer must fit."""
     report.model_type = guess_model_type(config.model_name_or_path)
     tokenizer = local_tokenizer(config)
+    # The stand-in is sized to the tokenizer, so `sft train`'s warning for another family's tokenizer never fires here
+    problem = tokenizer_mismatch(len(tokenizer), real.vocab_size) if real is not None else None
+    if problem:
+        raise SFTError(f"The tokenizer {config.tokenizer_name_or_path or config.model_name_or_path} does not fit the "
+                       f"model {config.model_name_or_path}: {problem} (`sft train` would only warn and train on.)")
     tiny_config = AutoConfig.for_model(report.model_type, vocab_size=len(tokenizer), **_tiny_fields(report.model_type))
     tiny_config.pad_token_id = tokenizer.pad_token_id
     if tiny_config.is_encoder_decoder:  # T5/BART configs made from scratch name no decoder start token

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 EMBEDDING_MULTIPLE = 64  # padded vocab sizes keep matmuls on fast tensor-core shapes
 # More new rows than a chat template's or a user's few added tokens: the tokenizer belongs to another vocabulary.
 FOREIGN_TOKENIZER_ROWS = 256
+FOREIGN_TOKENIZER_FRACTION = 0.5  # fewer tokens than this share of the rows: another family's (Llama 2's on Llama 3)
 
 
 def looks_local(name: str) -> bool:
@@ -126,12 +127,11 @@ def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, r
             tokenizer's length padded to a multiple of 64.
     """
     old_rows = model.get_input_embeddings().num_embeddings  # not weight.shape: (0,) once ZeRO-3 partitions it
+    problem = tokenizer_mismatch(len(tokenizer), old_rows)
+    if problem:
+        log.warning("THE TOKENIZER DOES NOT FIT THE MODEL: %s", problem)
     if max(len(tokenizer), rows or 0) <= old_rows:
         return []
-    if len(tokenizer) - old_rows > FOREIGN_TOKENIZER_ROWS:
-        log.warning("THE TOKENIZER DOES NOT FIT THE MODEL: it has %d tokens, the model's embeddings %d rows, so %d new "
-                    "untrained rows are added. tokenizer_name_or_path is probably from another model family; use the "
-                    "model's own tokenizer.", len(tokenizer), old_rows, len(tokenizer) - old_rows)
     if rows:
         model.resize_token_embeddings(rows, mean_resizing=True)
     else:
@@ -139,6 +139,23 @@ def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, r
     log.info("Resized embeddings from %d to %d rows for %d new tokens.", old_rows,
              model.get_input_embeddings().num_embeddings, len(tokenizer) - old_rows)
     return list(range(old_rows, len(tokenizer)))
+
+
+def tokenizer_mismatch(tokens: int, rows: int) -> str | None:
+    """Why a tokenizer of `tokens` tokens cannot be the own tokenizer of a model with `rows` embedding rows, or None.
+
+    Far more tokens than rows (beyond a chat template's or a user's few added ones) or fewer than half the rows
+    (models pad their vocabulary by hundreds of rows at most): the ids then name other tokens' embeddings, and the
+    run trains on noise without any error.
+    """
+    if tokens - rows > FOREIGN_TOKENIZER_ROWS:
+        effect = f"so {tokens - rows} new untrained rows are added"
+    elif tokens < rows * FOREIGN_TOKENIZER_FRACTION:
+        effect = "so its ids name other tokens' embeddings"
+    else:
+        return None
+    return (f"it has {tokens} tokens, the model's embeddings {rows} rows, {effect}. tokenizer_name_or_path is "
+            "probably from another model family; use the model's own tokenizer.")
 
 
 def base_model(config: SFTConfig) -> str:
