@@ -378,3 +378,20 @@ def test_presets_shard_and_offload_what_they_should():
     for offload in ("zero3_offload", "fsdp_offload"):
         assert parts[offload]["weights"] == parts[offload]["optimizer states"] == 0
         assert parts[offload]["gathered layers"] > 0
+
+
+def test_local_data_on_a_built_in_hub_model_plans_offline(monkeypatch):
+    """sft plan reads a built-in model's config offline, but counting the steps of local data asked the data builder
+    whether the model is an encoder-decoder through the Hub: the commonest recipe (own data, a Hub model) failed
+    offline with "Could not read the config of mistralai/Mistral-7B-Instruct-v0.3"."""
+    monkeypatch.setattr("sft.models.hub.hub_reachable", lambda: False)
+    monkeypatch.setattr("sft.models.architectures.hub_reachable", lambda: False)
+    monkeypatch.chdir(REPO)
+    flags = ["--model_name_or_path", "mistralai/Mistral-7B-Instruct-v0.3", "--tokenizer_name_or_path",
+             "data/models/tiny-llama", "--max_steps", "-1", "--per_device_train_batch_size", "4"]
+    config = load_recipe(REPO / "recipes" / "quickstart.yaml", flags=flags)
+    plan = planner.plan_recipe(config, find_gpu("A100-80GB"))
+    from sft.data.describe import describe_data
+
+    stats, _ = describe_data(config)
+    assert stats.rows == 360 and plan.steps == -(-360 // 4) * 3  # 400 sample rows less the 10% held out, 3 epochs

@@ -24,6 +24,7 @@ from sft.models.adapters import (
     is_adapter_folder,
     load_trained_adapter,
 )
+from sft.models.architectures import model_architecture
 from sft.models.attention import VARLEN
 from sft.models.attention import register as register_varlen
 from sft.models.hub import local_files_only
@@ -179,7 +180,9 @@ def is_encoder_decoder(config: SFTConfig) -> bool:
     """Whether the recipe's model (an adapter folder's base) is an encoder-decoder such as T5 or BART."""
     if config.model_name_or_path is None:
         return False  # data prepared with an explicit tokenizer and no model
-    return load_model_config(config).is_encoder_decoder
+    # offline first (local, HF cache, sft's built-in table): `sft data` and `sft plan` need no Hub for a known model
+    return model_architecture(base_model(config), config.revision, config.cache_dir,
+                              config.trust_remote_code).is_encoder_decoder
 
 
 def generation_eos(model: str | None) -> int | list[int] | None:
