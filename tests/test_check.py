@@ -90,10 +90,14 @@ def test_check_samples_a_local_eval_dataset(tmp_path, capsys):
 
 @pytest.mark.parametrize("key", ["dataset", "eval_dataset"])
 def test_a_misspelt_local_data_path_fails_check(tmp_path, capsys, key):
-    """A path to a file that is not there is a typo `sft train` refuses: `sft check` took it for data out of reach
-    (a Hub dataset on an offline machine), ran the smoke on the project's sample data and printed OK."""
+    """A missing file beside its near namesake is a typo `sft train` refuses: `sft check` took it for data out of
+    reach (a Hub dataset offline, a file still to download), ran the smoke on the project's sample data and printed
+    OK."""
+    import shutil
+
     recipe = tmp_path / "recipe.yaml"
     text = (REPO / "recipes" / "quickstart.yaml").read_text()
+    shutil.copy(REPO / "data" / "alpaca_sample.json", tmp_path)
     typo = tmp_path / "alpaca_smaple.json"
     if key == "dataset":
         text = text.replace("dataset: data/alpaca_sample.json", f"dataset: {typo}")
@@ -102,7 +106,8 @@ def test_a_misspelt_local_data_path_fails_check(tmp_path, capsys, key):
     recipe.write_text(text)
     assert main(["check", str(recipe)]) == 2
     captured = capsys.readouterr()
-    assert f"Dataset file {typo} does not exist" in captured.err and "OK" not in captured.out
+    assert f"Dataset file {typo} does not exist. Did you mean {tmp_path / 'alpaca_sample.json'}?" in captured.err
+    assert "OK" not in captured.out
 
 
 def test_max_length_beyond_the_models_positions_fails_check(capsys):
@@ -160,3 +165,12 @@ def test_a_tokenizer_under_half_the_models_rows_warns_in_train(caplog):
         assert fit_embeddings(make_llama(vocab_size=2 * len(tokenizer) + 1), tokenizer) == []
     assert (f"THE TOKENIZER DOES NOT FIT THE MODEL: it has {len(tokenizer)} tokens, the model's embeddings "
             f"{2 * len(tokenizer) + 1} rows, so its ids name other tokens' embeddings") in caplog.text
+
+
+def test_the_embedded_stand_in_tokenizer_is_not_a_foreign_one(tmp_path):
+    """A Hub model whose tokenizer is out of reach is checked with the embedded tiny tokenizer (2048 tokens), which
+    must not be taken for another family's tokenizer of Llama-3.1 (128256 rows)."""
+    from sft.check.smoke import tiny_recipe
+
+    _, values, _ = tiny_recipe(str(REPO / "recipes" / "llama-3.1-8b-instruct" / "lora.yaml"), None, tmp_path)
+    assert values["model_name_or_path"] == str(tmp_path / "model")

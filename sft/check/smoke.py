@@ -186,8 +186,10 @@ def tiny_model(config: SFTConfig, report: CheckReport, folder: Path, real: Pretr
     the recipe model's config, when known, whose vocabulary the tokenizer must fit."""
     report.model_type = guess_model_type(config.model_name_or_path)
     tokenizer = local_tokenizer(config)
-    # The stand-in is sized to the tokenizer, so `sft train`'s warning for another family's tokenizer never fires here
-    problem = tokenizer_mismatch(len(tokenizer), real.vocab_size) if real is not None else None
+    # The stand-in is sized to the tokenizer, so `sft train`'s warning for another family's tokenizer never fires
+    # here; the embedded tokenizer stands in for one out of reach and fits no real model.
+    own = Path(tokenizer.name_or_path).resolve() != EMBEDDED_TOKENIZER.resolve()
+    problem = tokenizer_mismatch(len(tokenizer), real.vocab_size) if real is not None and own else None
     if problem:
         raise SFTError(f"The tokenizer {config.tokenizer_name_or_path or config.model_name_or_path} does not fit the "
                        f"model {config.model_name_or_path}: {problem} (`sft train` would only warn and train on.)")

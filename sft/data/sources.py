@@ -1,6 +1,7 @@
 """Data sources: local files, folders or Hub ids, loaded with `datasets`, renamed, weighted and concatenated."""
 
 import codecs
+import difflib
 import hashlib
 import json
 import logging
@@ -89,15 +90,19 @@ def _load_saved(path: Path, split: str) -> datasets.Dataset:
 
 
 def all_local(sources: list[Source]) -> bool:
-    """Whether every source is on this machine. A missing one that looks like a path is a typo `sft train` refuses
-    (SFTError), not data out of reach: `sft check` and `sft plan` must not stand sample data in for it."""
-    missing = [source for source in sources if not Path(source.path).expanduser().exists()]
-    for source in missing:
-        check_reachable(source)
+    """Whether every source is on this machine. A missing file with a near namesake beside it is a typo `sft train`
+    refuses (SFTError naming the namesake), not data kept elsewhere: `sft check` must not stand sample data in for
+    it. Data not here at all (a Hub id, a file still to download, another machine's path) is simply not local."""
+    missing = [Path(source.path).expanduser() for source in sources if not Path(source.path).expanduser().exists()]
+    for path in missing:
+        siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+        near = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.9)
+        if near:
+            raise SFTError(f"Dataset file {path} does not exist. Did you mean {path.parent / near[0]}?")
     return not missing
 
 
-def check_reachable(source: Source) -> None:
+def _check_reachable(source: Source) -> None:
     """A path-looking source that is not on disk is a typo, not a Hub id."""
     if looks_local(source.path) or Path(source.path).suffix in FILE_TYPES:
         raise SFTError(f"Dataset file {source.path} does not exist. Check the path (relative paths start from "
@@ -272,7 +277,7 @@ def _check_rows_are_objects(path: Path, rows: Any) -> None:
 
 
 def _load_hub(source: Source) -> datasets.Dataset:
-    check_reachable(source)
+    _check_reachable(source)
     try:
         return datasets.load_dataset(source.path, source.name, data_dir=source.data_dir, split=source.split)
     except Exception as err:
