@@ -395,3 +395,18 @@ def test_local_data_on_a_built_in_hub_model_plans_offline(monkeypatch):
 
     stats, _ = describe_data(config)
     assert stats.rows == 360 and plan.steps == -(-360 // 4) * 3  # 400 sample rows less the 10% held out, 3 epochs
+
+
+@pytest.mark.parametrize("preset", ["zero2", "zero3"])
+def test_deepspeed_plans_float32_loaded_weights_as_the_16_bit_copy_it_keeps(preset):
+    """Under bf16 DeepSpeed casts the model's parameters to bf16 (engine._configure_distributed_model) and keeps
+    float32 masters apart: a recipe loading float32 weights was planned with 4-byte weights plus 4-byte masters
+    (Qwen2.5-0.5B on zero2 x 2: 1.84 GiB of weights instead of 0.92)."""
+    path = REPO / "recipes" / "qwen2.5-0.5b-instruct" / "full.yaml"
+    flags = ["--distributed", preset]
+    fp32, bf16 = (planner.plan_recipe(load_recipe(path, flags=flags + ["--dtype", dtype]), find_gpu("H100-80GB"), 2)
+                  for dtype in ("float32", "bfloat16"))
+    assert fp32.breakdown["weights"] == bf16.breakdown["weights"]
+    assert fp32.breakdown["weights"] == pytest.approx(494_032_768 * 2 / 2 ** 30 / (2 if preset == "zero3" else 1),
+                                                      rel=1e-4)
+    assert fp32.breakdown["master weights (fp32)"] == pytest.approx(494_032_768 * 4 / 2 ** 30 / 2, rel=1e-6)

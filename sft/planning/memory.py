@@ -93,6 +93,10 @@ class Model:
     """Multiply-accumulates per token of the full model (all weights but the input embedding)."""
     layer_bytes: int
     """Bytes of the largest decoder layer's weights (what FSDP / ZeRO-3 gather at once)."""
+    half_bytes: int = 0
+    """weight_bytes with floating-point parameters in 16 bits: DeepSpeed under bf16/fp16 casts the parameters it is
+    given (float32 ones included) to 16 bits and keeps the float32 copy as its master (engine
+    _configure_distributed_model); buffers and 4-bit storage keep their dtype."""
 
 
 def head_dim(arch: PretrainedConfig) -> int:
@@ -173,7 +177,8 @@ def memory_breakdown(config: SFTConfig, arch: PretrainedConfig, setup: Setup, mo
         weights = (frozen + 4 * model.trainable if mixed else model.weight_bytes) / n
         master, grads = 0, (4 * model.trainable if mixed else model.trainable_bytes) / n
     else:
-        weights = model.weight_bytes / (n if preset.startswith("zero3") else 1)
+        loaded = model.half_bytes if mixed and preset.startswith("zero") else model.weight_bytes
+        weights = loaded / (n if preset.startswith("zero3") else 1)
         master = 4 * model.trainable / n if mixed else 0
         grads = model.trainable_bytes / (n if sharded else 1)
     gathered = 2 * model.layer_bytes if preset.startswith(("fsdp", "zero3")) else 0  # current + prefetched layer

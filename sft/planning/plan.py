@@ -157,7 +157,10 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
         weight_bytes += sum(t.numel() for t in tensors if t.dtype == torch.uint8)
     trainable = [p for p in model.parameters() if p.requires_grad]
     layers = unwrapped(model).get_decoder().layers
-    return Model(weight_bytes=weight_bytes, trainable=sum(p.numel() for p in trainable),
+    params = {id(p): p for p in model.parameters()}.values()
+    half_bytes = weight_bytes - sum(p.numel() * (p.element_size() - 2) for p in params
+                                    if p.is_floating_point() and p.element_size() > 2)
+    return Model(weight_bytes=weight_bytes, half_bytes=half_bytes, trainable=sum(p.numel() for p in trainable),
                  trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
                  matmul_params=matmul_params(arch), layer_bytes=max(_bytes(layer) for layer in layers))
 
