@@ -277,13 +277,26 @@ def plan_recipe(config: SFTConfig, gpu: GPU, num_gpus: int = 1, num_nodes: int =
                   f"hidden {arch.hidden_size}, vocabulary {arch.vocab_size}",
                   f"{gpu.name}: {gpu.bf16_tflops:g} dense {'bf16' if gpu.bf16 else 'fp16'} TFLOP/s at an assumed "
                   f"{gpu.mfu:.0%} utilisation"]
-    if config.bf16 and not gpu.bf16:
-        plan.unsupported = f"{gpu.name} has no bf16 (sft train refuses it there): add --bf16 false --fp16 true"
+    if not gpu.bf16:
+        plan.unsupported = fp16_advice(config, gpu)
     if config.torch_compile:
         plan.notes.append(compile_note(config, setup))
     if not plan.fits:
         plan.overrides = search(config, arch, gpu, setup, models)
     return plan
+
+
+def fp16_advice(config: SFTConfig, gpu: GPU) -> str | None:
+    """The flags that move a recipe's bfloat16 settings to a card without bf16 (a T4, a V100), or None when it has
+    none. Weights loaded in bfloat16 and 4-bit compute in bfloat16 would run there too, as slow emulation."""
+    flags = ["--bf16 false --fp16 true"] if config.bf16 else []
+    if config.dtype == "bfloat16":  # fp16 mixed precision needs float32 weights to train them (GradScaler)
+        flags.append(f"--dtype {'float16' if config.use_peft else 'float32'}")
+    flags += [f"--{key} float16" for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
+              if getattr(config, key) == "bfloat16"]
+    if not flags:
+        return None
+    return f"{gpu.name} has no bf16 (sft train refuses bf16: true there): add {' '.join(flags)}"
 
 
 def compile_note(config: SFTConfig, setup: Setup) -> str:
