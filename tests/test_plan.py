@@ -416,3 +416,17 @@ def test_deepspeed_plans_float32_loaded_weights_as_the_16_bit_copy_it_keeps(pres
     assert fp32.breakdown["weights"] == pytest.approx(494_032_768 * 2 / 2 ** 30 / (2 if preset == "zero3" else 1),
                                                       rel=1e-4)
     assert fp32.breakdown["master weights (fp32)"] == pytest.approx(494_032_768 * 4 / 2 ** 30 / 2, rel=1e-6)
+
+
+def test_the_log_describes_the_recipe_s_model_not_the_search_s_candidates(caplog):
+    """A full fine-tune that does not fit is searched over LoRA/QLoRA too; only its own model is described."""
+    config = load_recipe(REPO / "recipes" / "llama-3.1-8b-instruct" / "full-fsdp.yaml")
+    with caplog.at_level("INFO", logger="sft"):
+        plan = planner.plan_recipe(config, find_gpu("A100-40GB"), 2)
+    assert not plan.fits and plan.overrides  # the search ran
+    assert "Trainable parameters" not in caplog.text
+    caplog.clear()  # control: a LoRA recipe's own adapter is still described
+    with caplog.at_level("INFO", logger="sft"):
+        planner.plan_recipe(load_recipe(REPO / "recipes" / "llama-3.1-8b-instruct" / "lora.yaml"),
+                            find_gpu("H100-80GB"), 1)
+    assert "Trainable parameters" in caplog.text

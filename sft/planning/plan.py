@@ -9,6 +9,7 @@ against one simulated step (`sft plan --trace`, tests/test_plan.py).
 import copy
 import dataclasses
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -314,7 +315,14 @@ def search(config: SFTConfig, arch: PretrainedConfig, gpu: GPU, setup: Setup, mo
     fitting = []
     for candidate in candidates(config, setup):
         if candidate.method not in models:
-            models[candidate.method] = model_facts(config, arch, candidate.method)
+            # only the recipe's own model is described in the log ("Trainable parameters: ..."), not each candidate
+            adapters_log = logging.getLogger("sft.models.adapters")
+            level = adapters_log.level
+            adapters_log.setLevel(logging.WARNING)
+            try:
+                models[candidate.method] = model_facts(config, arch, candidate.method)
+            finally:
+                adapters_log.setLevel(level)
         plan = make_plan(config, arch, gpu, candidate, models[candidate.method])
         if plan.fits:
             fitting.append(plan)
