@@ -137,3 +137,35 @@ def test_an_answer_ending_in_a_many_token_character_is_trained_to_its_last_byte(
         assert trained[-1] == tokenizer.eos_token_id
         whole = answer if dataset_format != "text" else answer[-2:]  # text never trains its first token
         assert tokenizer.decode(trained[:-1]).endswith(whole), tokenizer.convert_ids_to_tokens(trained)
+
+
+CONVERSATION = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "It is 5."}]
+
+
+@pytest.mark.parametrize("name", ["mistral-7b-instruct-v0.1", "mistral-7b-instruct-v0.3"])
+@pytest.mark.parametrize("add_eos_token", [False, True])
+def test_text_holding_a_rendered_chat_template_gets_its_bos_and_eos_once(name, add_eos_token):
+    """A text (or prompt/completion) row that already holds a chat template's rendering, `<s>[INST] ... </s>`, is
+    what apply_chat_template tokenizes to: Mistral's tokenizer adds BOS (and EOS with add_eos_token), and the rows
+    began with <s> <s> (and ended </s> </s>, both trained), a sequence the model never sees at inference."""
+    from transformers import AutoTokenizer
+
+    folder = FIXTURES / "tokenizers" / name
+    if not folder.is_dir():
+        pytest.skip(f"real tokenizers not found at {FIXTURES / 'tokenizers'} (../shared/fixtures is beside a checkout)")
+    # transformers drops BOS when only add_eos_token is given; both flags are what such a tokenizer_config holds
+    tokenizer = AutoTokenizer.from_pretrained(folder, **(dict(add_eos_token=True, add_bos_token=True)
+                                                         if add_eos_token else {}))
+    whole = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    prompt = tokenizer.apply_chat_template(CONVERSATION[:1], tokenize=False, add_generation_prompt=True)
+    reference = list(tokenizer.apply_chat_template(CONVERSATION, tokenize=True)["input_ids"])
+    answer = len(list(tokenizer.apply_chat_template(CONVERSATION[:1], add_generation_prompt=True)["input_ids"]))
+    doubled = tokenizer(whole)["input_ids"]  # the premise: the tokenizer adds its own
+    assert doubled[:2] == [tokenizer.bos_token_id] * 2
+    assert (doubled[-2:] == [tokenizer.eos_token_id] * 2) is add_eos_token
+    ids, labels, _ = encode_one(tokenizer, render_text({"text": whole}, "x", 1, False))
+    assert ids == reference and ids.count(tokenizer.eos_token_id) == 1
+    assert labels == [IGNORE_INDEX] + reference[1:]
+    row = {"prompt": prompt, "completion": whole[len(prompt):]}
+    ids, labels, _ = encode_one(tokenizer, render_prompt_completion(row, "x", 1, True))
+    assert ids == reference and labels == [IGNORE_INDEX] * answer + reference[answer:]

@@ -46,8 +46,11 @@ class Encoding:
         return out
 
     def _add_row(self, row: Rendered, alignment: TokenAlignment, out: dict[str, list]) -> None:
-        ids = list(alignment.ids)
-        labels = trained_labels(alignment, row.spans)
+        head, tail = added_twice(alignment) if row.add_special_tokens else (0, 0)
+        ids = alignment.ids[head:len(alignment.ids) - tail]
+        labels = trained_labels(alignment, row.spans)[head:len(alignment.ids) - tail]
+        if head and labels:
+            labels[0] = IGNORE_INDEX  # the text's own BOS, now the first token
         eos = self.tokenizer.eos_token_id
         if row.append_eos and eos is not None:
             if not ids or ids[-1] != eos:  # not already appended by the tokenizer (add_eos_token) or the text
@@ -55,7 +58,8 @@ class Encoding:
                 labels.append(IGNORE_INDEX)
             if row.spans:  # trained once, whoever appended it: the tokenizer's EOS has no characters in any span
                 labels[-1] = eos
-        kinds = [(*_token_run(alignment, start, end), kind) for start, end, kind in row.kinds if kind in MARKED]
+        kinds = [(a - head, b - head, kind) for start, end, kind in row.kinds if kind in MARKED
+                 for a, b in [_token_run(alignment, start, end)]]
         shift = max(len(ids) - self.max_length, 0) if self.truncation_side == "left" else 0
         ids, labels, cut = self._truncate(ids, labels)
         kinds = [(max(a - shift, 0), min(b - shift, len(ids)), kind) for a, b, kind in kinds if b - shift > 0]
@@ -78,6 +82,19 @@ class Encoding:
         ids, labels = ids[keep], labels[keep]
         labels[0] = IGNORE_INDEX
         return ids, labels, True
+
+
+def added_twice(alignment: TokenAlignment) -> tuple[int, int]:
+    """How many tokens the tokenizer added at the start and at the end that the text already has there: 1 each where
+    a text row holds an already rendered chat template (`<s>[INST] ... </s>` with Mistral's or Llama-2's tokenizer,
+    which add BOS, and add EOS too with add_eos_token). The model never sees two BOS at inference (apply_chat_template
+    tokenizes without adding special tokens), and an EOS twice would train the second after the model has stopped."""
+    ids, added = alignment.ids, alignment.special_tokens_mask
+    if len(ids) < 2:
+        return 0, 0
+    head = int(ids[0] == ids[1] and added[0] == 1 and added[1] == 0)
+    tail = int(ids[-1] == ids[-2] and added[-1] == 1 and added[-2] == 0)
+    return head, tail
 
 
 def trained_labels(alignment: TokenAlignment, spans: list[tuple[int, int]]) -> list[int]:
