@@ -14,6 +14,8 @@ from transformers import AutoTokenizer
 from sft import build_datasets
 from sft.cli.main import main
 from sft.data.sources import Source, load_source
+from sft.data.tokenizer import load_tokenizer
+from sft.models.saved import load_saved_tokenizer
 from sft.errors import SFTError
 from sft.training.recipe import load_recipe
 
@@ -207,3 +209,23 @@ def test_a_save_to_disk_folder_is_a_dataset(tmp_path):
     from sft.data.build import build_datasets
 
     assert len(build_datasets(config)[0]) == len(ROWS)  # trains like the same rows in a JSON file
+
+
+@pytest.mark.parametrize("name", ["zephyr-7b-beta", "mistral-7b-instruct-v0.2", "mistral-7b-instruct-v0.1"])
+def test_a_saved_tokenizer_tokenizes_as_training_did(tmp_path, name):
+    """transformers 5 saves a legacy sentencepiece tokenizer (Zephyr, Mistral v0.2: legacy true) without `legacy`, and
+    reloads it non-legacy: the run's folder tokenized every chat row differently from training ('</s>' '▁' '\\n'
+    became '</s>' '\\n', '<s>' '▁[' became '<s>' '[')."""
+    folder = TOKENIZERS / name
+    if not folder.is_dir():
+        pytest.skip(f"real tokenizers not found at {TOKENIZERS} (../shared/fixtures is beside a checkout)")
+    config = load_recipe({"model_name_or_path": str(EMBEDDED_MODEL), "tokenizer_name_or_path": str(folder),
+                          "dataset": str(write_json(tmp_path / "d.json", [{"text": "x"}]))})
+    tokenizer = load_tokenizer(config)
+    tokenizer.save_pretrained(tmp_path / "run")  # what the Trainer does with its processing_class
+    saved = AutoTokenizer.from_pretrained(tmp_path / "run")
+    texts = ["<s>[INST] hi [/INST] yo</s>", "<|user|>\nhi</s>\n<|assistant|>\nyo</s>\n", "a</s>\nb", " two  spaces"]
+    assert [saved(t)["input_ids"] for t in texts] == [tokenizer(t)["input_ids"] for t in texts]
+    load_saved_tokenizer(tmp_path / "run").save_pretrained(tmp_path / "merged")  # what sft merge does
+    merged = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    assert [merged(t)["input_ids"] for t in texts] == [tokenizer(t)["input_ids"] for t in texts]

@@ -13,6 +13,7 @@ from sft.data.chat_templates import (
 from sft.errors import SFTError
 from sft.models.hub import local_files_only
 from sft.models.loading import check_model_reference
+from sft.models.saved import keep_legacy_on_save
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ def load_tokenizer(config: SFTConfig) -> PreTrainedTokenizerBase:
     if not tokenizer.is_fast:
         raise SFTError(f"The tokenizer of {name} is not a fast tokenizer; sft needs character offsets to build "
                        "loss masks. Convert it with `tokenizers` or pick a model that ships tokenizer.json.")
+    keep_legacy_on_save(tokenizer)
     if config.chat_template:
         apply_chat_template(tokenizer, config.chat_template)
     if tokenizer.pad_token is None and config.pad_token:

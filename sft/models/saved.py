@@ -68,7 +68,21 @@ def load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
         raise SFTError(f"No usable tokenizer in {folder}: {str(err).splitlines()[0]}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    keep_legacy_on_save(tokenizer)  # sft merge saves it again
     return tokenizer
+
+
+def keep_legacy_on_save(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Save the sentencepiece `legacy` setting with the tokenizer, as the run's data was tokenized with it.
+
+    transformers 5 builds a Llama-family tokenizer (Mistral, Zephyr, Llama-2) from tokenizer_config's `legacy` but
+    leaves it out of what save_pretrained writes, and a tokenizer loaded without it is non-legacy: a run on Zephyr
+    or Mistral v0.2 (legacy: true) saved a tokenizer that drops the '▁' after every </s> and writes '[' for '▁['
+    after <s>, so sft eval, sft generate and any server fed every one of its rows other ids than training did.
+    """
+    legacy = getattr(tokenizer, "legacy", None)
+    if isinstance(legacy, bool):
+        tokenizer.init_kwargs.setdefault("legacy", legacy)
 
 
 def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, base_model: str | None,
