@@ -13,6 +13,7 @@ from sft.data.formats import (
     render_text,
 )
 from sft.data.tokenizer import load_tokenizer
+from sft.errors import SFTError
 from sft.training.recipe import load_recipe
 
 from conftest import EMBEDDED_MODEL, FIXTURES, write_json
@@ -169,3 +170,25 @@ def test_text_holding_a_rendered_chat_template_gets_its_bos_and_eos_once(name, a
     row = {"prompt": prompt, "completion": whole[len(prompt):]}
     ids, labels, _ = encode_one(tokenizer, render_prompt_completion(row, "x", 1, True))
     assert ids == reference and labels == [IGNORE_INDEX] * answer + reference[answer:]
+
+
+@pytest.mark.parametrize("model, dataset_format", [(EMBEDDED_MODEL, "alpaca"), (EMBEDDED_MODEL, "prompt_completion"),
+                                                   (EMBEDDED_MODEL.parent / "tiny-t5", "seq2seq")])
+def test_an_answer_holding_a_stop_token_is_refused_unless_it_ends_there(tmp_path, model, dataset_format):
+    """`</s>` (an HTML strike-through tag) inside an answer is read as EOS: the model learned to stop there and
+    generation eval cut the reference there; chat messages were refused for it, plain answers were trained. An
+    answer that ends with the EOS it is trained to write is kept, its EOS trained once."""
+    names = {"alpaca": ("instruction", "output"), "prompt_completion": ("prompt", "completion"),
+             "seq2seq": ("source", "target")}[dataset_format]
+    rows = [dict(zip(names, ("Strike out old in HTML.", "Write <s>old</s> new.")))]
+    config = load_recipe({"model_name_or_path": str(model), "max_length": 64,
+                          "dataset": str(write_json(tmp_path / "bad.json", rows))})
+    with pytest.raises(SFTError, match=f"bad.json, row 1: field `{names[1]}` contains '</s>' before its end"):
+        build_datasets(config)
+    rows = [dict(zip(names, ("Say hi.", "hi</s>")))]
+    config = load_recipe({"model_name_or_path": str(model), "max_length": 64,
+                          "dataset": str(write_json(tmp_path / "good.json", rows))})
+    tokenizer = load_tokenizer(config)
+    labels = build_datasets(config, tokenizer)[0]["labels"][0]
+    assert [t for t in labels if t != IGNORE_INDEX][-1] == tokenizer.eos_token_id
+    assert labels.count(tokenizer.eos_token_id) == 1

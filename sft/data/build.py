@@ -17,6 +17,8 @@ from sft.config.arguments import SFTConfig
 from sft.data.chat import ChatRenderer
 from sft.data.encode import Encoding
 from sft.data.formats import (
+    ANSWER_FIELDS,
+    AnswerStops,
     CHAT_FORMATS,
     Rendered,
     check_columns,
@@ -27,6 +29,7 @@ from sft.data.formats import (
 )
 from sft.data.seq2seq import Seq2SeqEncoding, pair_renderer
 from sft.data.sources import Source, load_source, parse_sources, repeat_by_weight
+from sft.data.stops import stop_tokens
 from sft.data.tokenizer import load_tokenizer
 from sft.errors import SFTError
 from sft.models.loading import generation_eos, is_encoder_decoder
@@ -142,7 +145,8 @@ class Build:
     def renderer(self, decided: SourceFormat, raw: datasets.Dataset) -> Callable:
         """row -> Rendered (or a list of them) for a source."""
         if self.model.encoder_decoder:  # T5, BART, ...: source -> encoder input_ids, target + EOS -> labels
-            return pair_renderer(decided.format)
+            stops = answer_stops(self.tokenizer, self.model.generation_eos)
+            return AnswerStops(pair_renderer(decided.format), ANSWER_FIELDS[decided.format], stops)
         return make_renderer(self.config, decided, self.tokenizer, raw, self.model.generation_eos)
 
     def encoding(self, packed: bool) -> Encoding:
@@ -306,7 +310,18 @@ def make_renderer(config: SFTConfig, decided: SourceFormat, tokenizer: PreTraine
     if conversational:
         chat = ChatRenderer(tokenizer, config.chat_template, config.assistant_only_loss,
                             config.train_on_last_turn_only, config.no_assistant_turn, config.history, eos)
-    return row_renderer(fmt, decided.completion_only_loss, chat)
+    stops = () if conversational else answer_stops(tokenizer, eos)
+    return row_renderer(fmt, decided.completion_only_loss, chat, stops)
+
+
+def answer_stops(tokenizer: PreTrainedTokenizerBase, eos: int | list[int] | None) -> tuple[str, ...]:
+    """The stop tokens no plain answer may hold before its end (formats.AnswerStops): those of the model's generation
+    config with the tokenizer's; only the tokenizer's where plain data pairs the model with another family's
+    tokenizer, whose ids the generation config does not name (chat data is refused for that, in stop_tokens)."""
+    try:
+        return tuple(stop_tokens(tokenizer, None, eos))
+    except SFTError:
+        return tuple(stop_tokens(tokenizer))
 
 
 def encode_batch(batch: dict, indices: list[int], render: Callable, encoding: Encoding, where: str,

@@ -143,6 +143,35 @@ def _prompt_completion(prompt: str, completion: str, completion_only: bool) -> R
     return Rendered(text, [(len(prompt) if completion_only else 0, len(text))])
 
 
+ANSWER_FIELDS = {"alpaca": "output", "prompt_completion": "completion", "seq2seq": "target"}  # what the model writes
+
+
+@dataclass
+class AnswerStops:
+    """A plain format's renderer that refuses an answer holding a stop token before its end, as chat messages are.
+
+    The tokenizer reads `</s>` (an HTML strike-through closing tag, say) or `<|endoftext|>` in the text as that
+    token, so the model would learn to stop generating there, and generation eval would cut the reference there too.
+    An answer ending with one (a completion written with its EOS) is kept: its EOS is trained once.
+    """
+
+    render: Callable[..., Rendered]
+    field: str
+    stops: tuple[str, ...]
+
+    def __call__(self, row: dict, where: str, row_number: int, *rest: bool) -> Rendered:
+        answer = row.get(self.field)
+        if isinstance(answer, str):
+            end = len(answer.rstrip())
+            found = next((stop for stop in self.stops if -1 < answer.find(stop) < end - len(stop)), None)
+            if found:
+                raise SFTError(f"Dataset {where}, row {row_number}: field `{self.field}` contains {found!r} before its "
+                               "end, a token generation stops on, so the model would learn to end its answer there. "
+                               f"Remove {found!r}, or write it so that it is not that token (e.g. with a space "
+                               "inside).")
+        return self.render(row, where, row_number, *rest)
+
+
 RENDERERS: dict[str, Callable[..., Rendered]] = {
     "alpaca": render_alpaca,
     "prompt_completion": render_prompt_completion,
@@ -156,16 +185,19 @@ def default_completion_only(fmt: str) -> bool:
     return fmt in ("alpaca", "prompt_completion", "seq2seq")
 
 
-def row_renderer(fmt: str, completion_only: bool, chat: Any = None,
+def row_renderer(fmt: str, completion_only: bool, chat: Any = None, stops: tuple[str, ...] = (),
                  ) -> Callable[[dict, str, int], Rendered | list[Rendered]]:
     """A function row -> Rendered (or a list of them) for `fmt`; chat formats render through `chat` (a
     sft.data.chat.ChatRenderer), which returns a list: empty for a row it drops (no assistant turn with
     `no_assistant_turn: drop`), several for a row split by `history: split`.
     prompt_completion rows whose prompt is a message list (conversational) also go through `chat` when given.
+    An answer holding one of `stops` (the tokens generation stops on) before its end is refused (AnswerStops).
     """
     if fmt in CHAT_FORMATS:
         return chat.render_row
     render = RENDERERS[fmt]
+    if fmt in ANSWER_FIELDS and stops:
+        render = AnswerStops(render, ANSWER_FIELDS[fmt], stops)
     if fmt == "prompt_completion" and chat is not None:
         return lambda row, where, number: (chat.render_row(row, where, number) if isinstance(row.get("prompt"), list)
                                            else render(row, where, number, completion_only))

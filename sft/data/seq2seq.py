@@ -41,10 +41,12 @@ class Seq2SeqEncoding(Encoding):
         enc = self.tokenizer(sources, return_special_tokens_mask=True, return_attention_mask=False)
         dec = self.tokenizer(targets, add_special_tokens=False, return_attention_mask=False)
         out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "truncated": [], "trained": []}
+        eos = self.tokenizer.eos_token_id
         for ids, special, target in zip(enc["input_ids"], enc["special_tokens_mask"], dec["input_ids"]):
             ids, cut_source = fit_keeping_special(ids, special, self.max_length, self.truncation_side)
+            target = target[:-1] if target[-1:] == [eos] else target  # a target written with its EOS: trained once
             labels, cut_target = target[:self.max_length - 1], len(target) > self.max_length - 1
-            labels = labels + [self.tokenizer.eos_token_id]  # the model learns to stop
+            labels = labels + [eos]  # the model learns to stop
             out["input_ids"].append(ids)
             out["labels"].append(labels)
             out["length"].append(len(ids) + len(labels))
