@@ -1,6 +1,7 @@
 """sft generate / sft chat: prompts (chat template or Alpaca), a trained quickstart adapter, chat over a pipe."""
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -12,8 +13,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from sft import SFTError, load_recipe, train
 from sft.cli import chat
 from sft.cli.main import main
-from sft.data.stops import stop_token_ids
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT
+from sft.data.stops import stop_token_ids
 from sft.evaluation import generation
 from sft.evaluation.generation import GenerationOptions, render_prompt
 from sft.models.saved import load_for_inference
@@ -52,6 +53,30 @@ def test_generate_prints_a_completion_of_a_trained_adapter(quickstart_adapter, c
     expected = generation.generate(model, tokenizer, "What is 18 plus 7?", GenerationOptions(max_new_tokens=8,
                                                                                               template="alpaca"))
     assert printed == expected + "\n" and expected.strip()
+
+
+def test_generate_prompts_a_run_as_it_was_trained(quickstart_adapter, monkeypatch):
+    """The quickstart trains Alpaca rows on a tokenizer that has a chat template: `sft generate RUN` (the README's
+    command) must prompt with the Alpaca prompt the run learnt, not the chat template it never saw."""
+    assert json.loads((quickstart_adapter / "data_stats.json").read_text())["formats"] == "alpaca"
+    assert load_for_inference(quickstart_adapter, device="cpu")[1].chat_template  # what `auto` used to pick
+    templates = []
+    monkeypatch.setattr(generation, "generate", lambda model, tokenizer, messages, options, *rest: (
+        templates.append(options.template) or "reply"))
+    assert main(["generate", str(quickstart_adapter), "--prompt", "What is 18 plus 7?"]) == 0
+    assert main(["generate", str(quickstart_adapter), "--prompt", "Hi", "--template", "chat"]) == 0  # as asked
+    assert templates == ["alpaca", "chat"]
+
+
+@pytest.mark.parametrize("formats, template", [
+    ("alpaca", "alpaca"), ("messages", "chat"), ("messages, sharegpt", "chat"),
+    ("alpaca, messages", None), ("prompt_completion", None), (None, None)])
+def test_the_trained_template_comes_from_the_run_s_data_stats(tmp_path, formats, template):
+    (tmp_path / "checkpoint-5").mkdir()
+    if formats is not None:
+        (tmp_path / "data_stats.json").write_text(json.dumps({"rows": 3, "formats": formats}))
+    assert generation.trained_template(tmp_path) == template
+    assert generation.trained_template(tmp_path / "checkpoint-5") == template  # a checkpoint of the run
 
 
 def test_chat_reads_a_pipe_streams_replies_and_handles_commands(quickstart_adapter):

@@ -194,8 +194,8 @@ def add_generation_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--system", help="system prompt (chat templates only)")
     sub.add_argument("--template", choices=("auto", "chat", "alpaca"), default="auto",
                      help="prompt format: the tokenizer's chat template, or the Alpaca prompt that alpaca data trains "
-                          "on (auto: the chat template if the tokenizer has one; for an encoder-decoder, the "
-                          "message as is)")
+                          "on (auto: what an sft run trained on, from its data_stats.json; else the chat template "
+                          "if the tokenizer has one; for an encoder-decoder, the message as is)")
     sub.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights dtype (auto: as saved)")
     sub.add_argument("--base_model", help="for adapters: use this base instead of the one in adapter_config.json")
 
@@ -221,13 +221,17 @@ def run_merge(args: argparse.Namespace, rest: list[str]) -> None:
 
 def load_for_verb(args: argparse.Namespace, rest: list[str]) -> tuple:
     """(model, tokenizer, options) for generate and chat."""
-    from sft.evaluation.generation import GenerationOptions
+    from sft.evaluation.generation import GenerationOptions, trained_template
     from sft.models.saved import load_for_inference
 
     reject_extra(rest)
+    template = args.template
+    if template == "auto" and trained_template(args.model_dir):
+        template = trained_template(args.model_dir)
+        log.info("Prompting with the %s format %s was trained on (--template chat or alpaca to choose).",
+                 "Alpaca prompt" if template == "alpaca" else "chat template", args.model_dir)
     options = GenerationOptions(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                template=args.template)
+                                temperature=args.temperature, top_p=args.top_p, seed=args.seed, template=template)
     options.check()  # before the model loads
     model, tokenizer = load_for_inference(args.model_dir, args.dtype, args.base_model)
     return model, tokenizer, options

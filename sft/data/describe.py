@@ -28,6 +28,7 @@ def training_stats(train: Prepared, config: SFTConfig, packing_strategy: str | N
     """The training data's statistics, with the chat fields (reasoning tokens, the history policy, split rows) for
     chat data: what `sft data` prints and what a run writes to data_stats.json."""
     stats = compute_stats(train.dataset, config.max_length, train.dropped_rows, train.truncated_rows, packing_strategy)
+    stats.formats = ", ".join(sorted({s.format for s in train.sources}))
     if any(s.format in CHAT_FORMATS for s in train.sources) or train.reasoning_tokens or train.split_rows:
         stats.reasoning_tokens, stats.history, stats.split_rows = (train.reasoning_tokens, config.history,
                                                                    train.split_rows)

@@ -28,6 +28,7 @@ class DataStats:
     reasoning_tokens: int | None = None  # chat data: trained tokens inside reasoning blocks
     history: str | None = None  # chat data: the `history` policy for templates that render history differently
     split_rows: int | None = None  # chat data: extra examples that policy made (history: split)
+    formats: str | None = None  # the data formats trained (a run's: `sft generate` prompts as they were)
 
     def as_dict(self) -> dict:
         """JSON-ready mapping (the `sft data --json` keys)."""

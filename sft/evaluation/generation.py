@@ -1,6 +1,8 @@
 """Generation settings: decoding options, the prompt a conversation renders to, a reply, the generation config."""
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -14,8 +16,8 @@ from transformers import (
     TextStreamer,
 )
 
+from sft.data.formats import ALPACA_PROMPT_NO_INPUT, CHAT_FORMATS
 from sft.data.stops import stop_token_ids
-from sft.data.formats import ALPACA_PROMPT_NO_INPUT
 from sft.errors import SFTError
 
 # Greedy decoding ignores sampling knobs; clearing the model's own (e.g. temperature 0.6) avoids warnings and, in
@@ -66,6 +68,19 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, s
                            f"{str(err).splitlines()[0] if str(err) else ''}). Fix chat_template.jinja in the model "
                            "folder, or pass --template alpaca for a model trained on alpaca data.") from None
     return alpaca_prompt(messages), True
+
+
+def trained_template(folder: str | Path) -> str | None:
+    """The prompt format a run folder (or one of its checkpoints, or an adapter) trained on, from its
+    data_stats.json: alpaca when it trained Alpaca rows only, chat when chat rows only, else None. A model whose
+    tokenizer has a chat template but was trained on Alpaca prompts (the quickstart) answers the prompt it learnt."""
+    for candidate in (Path(folder), Path(folder).parent):
+        try:
+            formats = set(json.loads((candidate / "data_stats.json").read_text())["formats"].split(", "))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        return "alpaca" if formats == {"alpaca"} else "chat" if formats <= set(CHAT_FORMATS) else None
+    return None
 
 
 def encoder_source(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], template: str) -> str:
