@@ -19,9 +19,10 @@ from sft.data.tokenizer import load_tokenizer
 from sft.models.loading import load_model
 from sft.models.saved import load_for_inference
 from sft.training.flows import evaluate
+from sft.training.loss import attach_chunked_loss
 from sft.training.trainer import SFTTrainer
 
-from conftest import write_json
+from conftest import reference_causal_loss, write_json
 
 ROWS = [{"prompt": "Add 2 and 3:", "completion": " 5"}, {"prompt": "The capital of France is", "completion": " Paris."}]
 
@@ -174,6 +175,29 @@ def test_modules_to_save_and_new_tokens_do_not_clash(tmp_path, grown_model_dir, 
     trainable = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
     assert any("embed_tokens.modules_to_save" in n for n in trainable)  # trained whole
     assert any("lm_head.token_adapter" in n for n in trainable)
+
+
+@pytest.mark.parametrize("fully_trained", [None, ["lm_head"]])
+def test_chunked_loss_runs_on_peft_wrapped_heads(tmp_path, grown_model_dir, data_file, fully_trained):
+    """LoRA with tokens a chat template adds wraps lm_head in peft's TrainableTokensWrapper (lora_modules_to_save:
+    [lm_head] in a ModulesToSaveWrapper): the chunked loss took it for no plain head and every such run silently
+    computed full-vocabulary logits. Chunked, loss and every trainable gradient equal the model's own forward."""
+    config = recipe(grown_model_dir, data_file, tmp_path, lora_modules_to_save=fully_trained)
+    model = load_model(config, load_tokenizer(config))
+    ids = torch.tensor([[1, 40, 400, 41, 401, 7, 401, 9], [1, 400, 52, 401, 3, 401, 11, 401]])
+    labels = torch.where(ids == 40, -100, ids)
+    reference = reference_causal_loss(model(input_ids=ids).logits, labels, int((labels[:, 1:] != -100).sum()))
+    reference.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    assert attach_chunked_loss(model)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    assert torch.allclose(loss, reference, atol=1e-6, rtol=0)
+    assert any("lm_head" in name for name in expected)  # the head's trained rows (or copy) get gradients too
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            assert torch.allclose(parameter.grad, expected[name], atol=1e-6, rtol=1e-5), name
 
 
 @pytest.mark.parametrize("keys, message", [

@@ -17,6 +17,7 @@ from peft import (
     prepare_model_for_kbit_training,
 )
 from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
 from peft.utils.integrations import gather_params_ctx
 from safetensors import safe_open
 from torch import nn
@@ -218,6 +219,27 @@ def keep_cpu_4bit_layers_differentiable(model: PreTrainedModel) -> None:
 def unwrapped(model: nn.Module) -> nn.Module:
     """The transformers model under a PEFT wrapper (the model itself when there is none)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def head_layer(head: nn.Module) -> nn.Module:
+    """The layer an output head computes with under peft's wrappers: lm_head in lora_modules_to_save is trained as a
+    copy (ModulesToSaveWrapper); with new tokens its base layer gets trainable rows (TrainableTokensWrapper)."""
+    if isinstance(head, ModulesToSaveWrapper):
+        active = not head.disable_adapters and head.active_adapters
+        return head.modules_to_save[head.active_adapters[0]] if active else head.original_module
+    if isinstance(head, TrainableTokensWrapper):
+        return head.token_adapter.get_base_layer()
+    return head
+
+
+def head_weight(head: nn.Module) -> torch.Tensor:
+    """The weight matrix `head`'s forward multiplies by: with trainable new-token rows (added by sft for the tokens a
+    chat template brings, see new_token_targets), the base weight with those rows replaced, differentiable in them."""
+    if isinstance(head, TrainableTokensWrapper):
+        tokens = head.token_adapter
+        active = [] if head.disable_adapters or tokens.merged else tokens.active_adapters
+        return tokens.get_merged_weights(active) if active else tokens.get_base_layer().weight
+    return head_layer(head).weight
 
 
 def is_adapter_folder(name: str | Path) -> bool:

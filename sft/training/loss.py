@@ -29,7 +29,7 @@ from transformers.utils import ModelOutput
 from sft.data.boundaries import starts
 from sft.data.encode import IGNORE_INDEX
 from sft.errors import SFTError
-from sft.models.adapters import unwrapped
+from sft.models.adapters import head_layer, head_weight, unwrapped
 from sft.models.families import has_plain_head
 
 MIN_CHUNK_ROWS = 128  # below this the head matmuls get inefficient
@@ -93,7 +93,7 @@ def supports_chunked_loss(model: nn.Module) -> bool:
     """Whether `model` is a causal LM whose logits are a plain linear head over its decoder's output."""
     if not isinstance(model, PreTrainedModel):  # SFTTrainer also takes plain nn.Modules, as Trainer does
         return False
-    head = model.get_output_embeddings()
+    head = head_layer(model.get_output_embeddings())  # also under peft's wrappers (LoRA with new tokens)
     return has_plain_head(model.config) and type(head) is nn.Linear and head.bias is None
 
 
@@ -129,8 +129,9 @@ def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0, liger: C
     if is_deepspeed_zero3_enabled() and not attached:
         import deepspeed
 
-        # The head's weight is read here, not through lm_head's forward: ZeRO-3 gathers it for this module.
-        deepspeed.zero.register_external_parameter(lm, lm.get_output_embeddings().weight)
+        # The head's weights are read here, not through lm_head's forward: ZeRO-3 gathers them for this module.
+        for parameter in lm.get_output_embeddings().parameters():
+            deepspeed.zero.register_external_parameter(lm, parameter)
     return True
 
 
@@ -167,7 +168,7 @@ def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: 
     hidden = self.get_decoder()(*args, use_cache=False, **kwargs).last_hidden_state
     targets = labels[:, 1:]
     keep = targets != IGNORE_INDEX
-    weight = gathered_head(self.get_output_embeddings()).weight
+    weight = head_weight(gathered_head(self.get_output_embeddings()))
     chunk = chunk_rows(weight.shape[0])
     normalizer = keep.sum() if num_items_in_batch is None else num_items_in_batch
     normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
