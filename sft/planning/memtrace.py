@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config.arguments import SFTConfig
-from sft.models.adapters import unwrapped
+from sft.models.adapters import head_weight, unwrapped
 from sft.models.quantization import DTYPES, compute_dtype
 from sft.training.loss import (
     LinearCrossEntropy,
@@ -185,7 +185,7 @@ def loss_of(model: nn.Module, config: SFTConfig, ids: torch.Tensor) -> torch.Ten
         return model(input_ids=ids, labels=ids, use_cache=False).loss
     base = unwrapped(model)
     hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-    weight = base.get_output_embeddings().weight
+    weight = head_weight(base.get_output_embeddings())
     return LinearCrossEntropy.apply(trained_rows(hidden), weight, ids[:, 1:].reshape(-1),
                                     torch.tensor(float(ids.numel())), chunk_rows(weight.shape[0]))
 
@@ -243,7 +243,7 @@ def eval_step(model: nn.Module, config: SFTConfig, vocab_size: int, device: str)
             return
         base = unwrapped(model)
         hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        weight = base.get_output_embeddings().weight
+        weight = head_weight(base.get_output_embeddings())
         targets = ids[:, 1:]
         token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=device)
         token_losses.view(-1)[:] = chunked_token_losses(trained_rows(hidden), weight, targets.reshape(-1),
