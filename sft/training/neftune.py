@@ -2,7 +2,9 @@
 
 transformers' hook draws noise with magnitude alpha / sqrt(row_length * d): under packing every example then gets
 about sqrt(k) too little noise. Here each token's noise uses the length L_i of the example it belongs to,
-alpha / sqrt(L_i * d), as in the NEFTune paper; padding gets none.
+alpha / sqrt(L_i * d), as in the NEFTune paper. Padding of padded batches gets none; the tail PackedCollator
+appends to a packed row is one more example to the position ids and gets noise like one, which changes nothing:
+it has no trained token and no real token attends to it.
 """
 
 import contextlib
@@ -16,7 +18,8 @@ from sft.data.boundaries import token_lengths
 
 
 def token_example_lengths(inputs: dict[str, Any]) -> torch.Tensor:
-    """[B, T] float tensor: for each token, the length of the example it belongs to (0 for padding).
+    """[B, T] float tensor: for each token, the length of the example it belongs to (0 for a padded batch's
+    padding).
 
     Packed and padding-free batches carry position_ids that restart at every example (read by
     sft.data.boundaries, as the attention mask is); padded batches carry an attention_mask.
