@@ -15,8 +15,8 @@ from sft import build_datasets
 from sft.cli.main import main
 from sft.data.sources import Source, load_source
 from sft.data.tokenizer import load_tokenizer
-from sft.models.saved import load_saved_tokenizer
 from sft.errors import SFTError
+from sft.models.saved import load_saved_tokenizer
 from sft.training.recipe import load_recipe
 
 from conftest import EMBEDDED_MODEL, FIXTURES, REPO, write_json

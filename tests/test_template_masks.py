@@ -17,8 +17,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from sft.data.chat import ChatRenderer
-from sft.data.stops import message_delimiters
 from sft.data.encode import Encoding
+from sft.data.stops import message_delimiters
 from sft.errors import SFTError
 
 from conftest import FIXTURES

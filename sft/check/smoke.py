@@ -26,8 +26,8 @@ from sft.config.arguments import SFTConfig
 from sft.data.sources import Source, all_local, parse_sources
 from sft.errors import SFTError
 from sft.evaluation.metrics import check_best_metric
-from sft.models.families import VARLEN, guess_model_type
 from sft.models.architectures import model_architecture
+from sft.models.families import VARLEN, guess_model_type
 from sft.models.hub import local_files_only
 from sft.models.loading import base_model, generation_eos, tokenizer_mismatch
 from sft.training.catalog import shipped

@@ -18,8 +18,8 @@ from sft.data.chat import ChatRenderer
 from sft.data.encode import Encoding
 from sft.data.formats import (
     ANSWER_FIELDS,
-    AnswerStops,
     CHAT_FORMATS,
+    AnswerStops,
     Rendered,
     check_columns,
     check_sft_data,

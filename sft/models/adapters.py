@@ -17,8 +17,8 @@ from peft import (
     prepare_model_for_kbit_training,
 )
 from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
-from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
 from peft.utils.integrations import gather_params_ctx
+from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
 from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -26,12 +26,12 @@ from transformers import PreTrainedTokenizerBase
 from sft.check.prove.bench import Bench
 from sft.check.prove.result import Proof
 from sft.data.chat import THINK, common_prefix, complement
-from sft.data.stops import stop_token_ids
 from sft.data.encode import IGNORE_INDEX
 from sft.data.formats import CHAT_FORMATS
 from sft.data.messages import Row
 from sft.data.messages import conversation as read_conversation
 from sft.data.show import show_examples
+from sft.data.stops import stop_token_ids
 from sft.models.loading import generation_eos
 
 ANSWER = {"alpaca": "output", "prompt_completion": "completion", "seq2seq": "target", "text": "text"}
