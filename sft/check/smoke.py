@@ -26,10 +26,9 @@ from sft.config.arguments import SFTConfig
 from sft.data.sources import Source, all_local, parse_sources
 from sft.errors import SFTError
 from sft.evaluation.metrics import check_best_metric
-from sft.models.architectures import model_architecture
 from sft.models.families import VARLEN, guess_model_type
 from sft.models.hub import local_files_only
-from sft.models.loading import base_model, generation_eos, tokenizer_mismatch
+from sft.models.loading import generation_eos, recipe_architecture, tokenizer_mismatch
 from sft.training.catalog import shipped
 from sft.training.flows import fitted_max_length
 from sft.training.presets import shards
@@ -110,7 +109,7 @@ def real_architecture(config: SFTConfig) -> PretrainedConfig | None:
     """The recipe model's config where it is reachable here (a local folder, the HF cache, sft's built-in table, the
     Hub when online), else None: `sft train` checks what depends on it when it reads the config."""
     try:
-        return model_architecture(base_model(config), config.revision, config.cache_dir, config.trust_remote_code)
+        return recipe_architecture(config)
     except SFTError:
         return None
 

@@ -225,9 +225,8 @@ def load_for_verb(args: argparse.Namespace, rest: list[str]) -> tuple:
     from sft.models.saved import load_for_inference
 
     reject_extra(rest)
-    template = args.template
-    if template == "auto" and trained_template(args.model_dir):
-        template = trained_template(args.model_dir)
+    template = (trained_template(args.model_dir) if args.template == "auto" else None) or args.template
+    if template != args.template:
         log.info("Prompting with the %s format %s was trained on (--template chat or alpaca to choose).",
                  "Alpaca prompt" if template == "alpaca" else "chat template", args.model_dir)
     options = GenerationOptions(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,

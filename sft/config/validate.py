@@ -122,7 +122,7 @@ def check_eval_plan(config: SFTConfig) -> None:
     """Evaluating during training needs eval data; say so now rather than when the Trainer is built."""
     has_eval = config.eval_dataset is not None or bool(config.eval_split_size)
     if option(config.eval_strategy) != "no" and not has_eval:
-        raise SFTError(f"eval_strategy is {getattr(config.eval_strategy, 'value', config.eval_strategy)} but the "
+        raise SFTError(f"eval_strategy is {option(config.eval_strategy)} but the "
                        "recipe has no eval data: set `eval_dataset`, or `eval_split_size` (e.g. 0.1), or "
                        "eval_strategy: 'no'.")
 

@@ -180,9 +180,14 @@ def is_encoder_decoder(config: SFTConfig) -> bool:
     """Whether the recipe's model (an adapter folder's base) is an encoder-decoder such as T5 or BART."""
     if config.model_name_or_path is None:
         return False  # data prepared with an explicit tokenizer and no model
-    # offline first (local, HF cache, sft's built-in table): `sft data` and `sft plan` need no Hub for a known model
-    return model_architecture(base_model(config), config.revision, config.cache_dir,
-                              config.trust_remote_code).is_encoder_decoder
+    return recipe_architecture(config).is_encoder_decoder
+
+
+def recipe_architecture(config: SFTConfig) -> PretrainedConfig:
+    """The config of the recipe's model (an adapter folder's base), offline first: a local folder, the HF cache,
+    sft's built-in table of common models, then the Hub; so `sft data`, `sft plan` and `sft check` need no Hub for a
+    known model (load_model_config reads the model's own files, as loading the weights will)."""
+    return model_architecture(base_model(config), config.revision, config.cache_dir, config.trust_remote_code)
 
 
 def generation_eos(model: str | None) -> int | list[int] | None:

@@ -208,6 +208,27 @@ def check_deepspeed_config(deepspeed: dict | str | None) -> None:
     zero_optimization key only once the model loaded, as "Could not load the model ...: 1 validation error"."""
     if not deepspeed:
         return
+    settings, where = read_deepspeed_config(deepspeed)
+    zero = settings.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise SFTError(f"{where}: zero_optimization must be an object of ZeRO settings, got {zero!r}.")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**zero)  # DeepSpeed's own check of the section, as it runs when the engine is built
+    except ValidationError as err:
+        # "auto" values are filled from the recipe by the Trainer before DeepSpeed sees them
+        problems = [f"zero_optimization.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})"
+                    for e in err.errors() if e.get("input") != "auto"]
+        if problems:
+            raise SFTError(f"{where}: {'; '.join(problems)}. See DeepSpeed's ZeRO configuration (https://"
+                           "www.deepspeed.ai/docs/config-json/#zero-optimizations-for-fp16-training).") from None
+
+
+def read_deepspeed_config(deepspeed: dict | str) -> tuple[dict, str]:
+    """The settings of a DeepSpeed config (a dict, a JSON file, or the JSON or base64 JSON TrainingArguments also
+    takes) and how errors name it; an SFTError saying why it cannot be read."""
     where = "deepspeed" if isinstance(deepspeed, dict) else f"deepspeed: {deepspeed}"
     if isinstance(deepspeed, str):
         path = Path(deepspeed).expanduser()
@@ -228,21 +249,7 @@ def check_deepspeed_config(deepspeed: dict | str | None) -> None:
                 raise SFTError(f"{where} is not valid JSON: {err}.") from None
     if not isinstance(deepspeed, dict):
         raise SFTError(f"{where} must hold a JSON object of DeepSpeed settings, got a {type(deepspeed).__name__}.")
-    zero = deepspeed.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise SFTError(f"{where}: zero_optimization must be an object of ZeRO settings, got {zero!r}.")
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from pydantic import ValidationError
-
-    try:
-        DeepSpeedZeroConfig(**zero)  # DeepSpeed's own check of the section, as it runs when the engine is built
-    except ValidationError as err:
-        # "auto" values are filled from the recipe by the Trainer before DeepSpeed sees them
-        problems = [f"zero_optimization.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})"
-                    for e in err.errors() if e.get("input") != "auto"]
-        if problems:
-            raise SFTError(f"{where}: {'; '.join(problems)}. See DeepSpeed's ZeRO configuration (https://"
-                           "www.deepspeed.ai/docs/config-json/#zero-optimizations-for-fp16-training).") from None
+    return deepspeed, where
 
 
 def _inline_json(text: str) -> dict | None:
@@ -258,18 +265,15 @@ def _inline_json(text: str) -> dict | None:
 
 
 def zero_stage(deepspeed: dict | str | None) -> int | None:
-    """The ZeRO stage of a DeepSpeed config (dict, JSON path, or the base64 JSON TrainingArguments also takes); None
-    when unset or unreadable."""
-    if isinstance(deepspeed, str) and not os.path.exists(os.path.expanduser(deepspeed)):
-        deepspeed = _inline_json(deepspeed)
-    elif isinstance(deepspeed, str):
-        try:
-            deepspeed = json.loads(Path(deepspeed).expanduser().read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None  # check_deepspeed_config reports an unreadable file
-    if not isinstance(deepspeed, dict):
+    """The ZeRO stage of a DeepSpeed config (read_deepspeed_config); None when unset or unreadable (which
+    check_deepspeed_config reports)."""
+    if not deepspeed:
         return None
-    return deepspeed.get("zero_optimization", {}).get("stage")
+    try:
+        zero = read_deepspeed_config(deepspeed)[0].get("zero_optimization", {})
+    except SFTError:
+        return None
+    return zero.get("stage") if isinstance(zero, dict) else None
 
 
 def check_combinations(values: dict) -> None:
