@@ -14,7 +14,7 @@ import torch
 import transformers
 import yaml
 from peft import LoraConfig, get_peft_model
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_template_masks import FAMILIES
 from transformers import GenerationConfig
 
@@ -26,7 +26,7 @@ from sft.check.prove.generation import prove_generation
 from sft.check.prove.masks import check_chat_row, prove_masks
 from sft.check.prove.result import Proof
 from sft.check.prove.runs import prove_resume, prove_save_load, save_like_train
-from sft.check.prove.sharded import reloaded
+from sft.check.prove.sharded import compare_saved, prove_sharded_save, reloaded
 from sft.cli.main import main
 from sft.data.chat import ChatRenderer
 from sft.data.chat_templates import PRESETS
@@ -145,6 +145,28 @@ def test_the_sharded_proof_compares_every_tensor_an_adapter_trains(tmp_path):
     read = reloaded(tmp_path, SimpleNamespace(model=lambda config: model, config=lambda **changes: None))
     assert set(read) == {name for name, param in model.named_parameters() if param.requires_grad}
     assert any("trainable_tokens_delta" in name for name in read) and any(".modules_to_save." in name for name in read)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["fsdp", "fsdp_offload"])
+def test_the_sharded_proof_runs_fsdp_as_fsdp2_on_cpu_and_catches_a_save_that_differs(tmp_path, preset):
+    """FSDP was "not provable on CPU" (accelerate turns it into DDP there): the proof now trains the recipe's LoRA
+    adapter as FSDP2 units on 2 gloo processes, puts the sharded checkpoint back together and compares it with the
+    saved adapter, named as peft saves it; fsdp_offload runs as fsdp (its pinned CPU offload needs CUDA). A saved
+    adapter that differs from the checkpoint by one tensor FAILs (the negative control)."""
+    bench = Bench.build(str(write_recipe(tmp_path, distributed=preset)), None, tmp_path / "bench")
+    passed, figure = prove_sharded_save(bench)
+    assert passed is True, figure
+    label = "fsdp" if preset == "fsdp" else "fsdp_offload (as fsdp: CPU offload needs CUDA)"
+    assert figure == f"{label} on 2 CPU processes: 28/28 trained tensors saved bitwise"  # A and B of 14 linears
+    run = bench.folder / "sharded"
+    assert (run / "checkpoint-2" / "pytorch_model_fsdp_0" / "__1_0.distcp").is_file()  # sharded: one file per rank
+    adapter = load_file(run / "adapter_model.safetensors")
+    name = next(key for key in adapter if "lora_B" in key)
+    save_file({**adapter, name: adapter[name] + 1e-3}, run / "adapter_model.safetensors")
+    passed, counts = compare_saved(run, "fsdp", bench)
+    assert passed is False and counts.startswith("27/28 trained tensors saved bitwise (wrong: [")
 
 
 def test_generation_fails_when_the_prompt_builder_leaks_the_reference(bench, monkeypatch):
