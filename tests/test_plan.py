@@ -418,6 +418,20 @@ def test_deepspeed_plans_float32_loaded_weights_as_the_16_bit_copy_it_keeps(pres
     assert fp32.breakdown["master weights (fp32)"] == pytest.approx(494_032_768 * 4 / 2 ** 30 / 2, rel=1e-6)
 
 
+@pytest.mark.parametrize("preset", ["zero3", "fsdp"])
+def test_sharded_presets_plan_gathered_layers_in_16_bits_whatever_the_loaded_dtype(preset):
+    """ZeRO-3 gathers its 16-bit copy of a layer, FSDP2 under mixed precision gathers in param_dtype bf16: a recipe
+    loading float32 weights was planned with 4-byte gathered layers (twice the bytes)."""
+    path = REPO / "recipes" / "qwen2.5-0.5b-instruct" / "full.yaml"
+    fp32, bf16 = (planner.plan_recipe(load_recipe(path, flags=["--distributed", preset, "--dtype", dtype]),
+                                      find_gpu("H100-80GB"), 2) for dtype in ("float32", "bfloat16"))
+    # a Qwen2.5-0.5B layer: q (+bias), k and v (2 KV heads of 64, +bias), o, gate/up/down, 2 norms
+    h, kv, i = 896, 128, 4864
+    layer = h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
+    assert fp32.breakdown["gathered layers"] == bf16.breakdown["gathered layers"]
+    assert fp32.breakdown["gathered layers"] == pytest.approx(2 * layer * 2 / 2 ** 30, rel=1e-4)  # 2 layers at once
+
+
 def test_the_log_describes_the_recipe_s_model_not_the_search_s_candidates(caplog):
     """A full fine-tune that does not fit is searched over LoRA/QLoRA too; only its own model is described."""
     config = load_recipe(REPO / "recipes" / "llama-3.1-8b-instruct" / "full-fsdp.yaml")

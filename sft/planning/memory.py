@@ -97,6 +97,9 @@ class Model:
     """weight_bytes with floating-point parameters in 16 bits: DeepSpeed under bf16/fp16 casts the parameters it is
     given (float32 ones included) to 16 bits and keeps the float32 copy as its master (engine
     _configure_distributed_model); buffers and 4-bit storage keep their dtype."""
+    layer_half_bytes: int = 0
+    """layer_bytes with floating-point parameters in 16 bits: what ZeRO-3 (its 16-bit copy) and FSDP2 under mixed
+    precision (param_dtype bf16/fp16) gather, whatever dtype the weights were loaded in."""
 
 
 def head_dim(arch: PretrainedConfig) -> int:
@@ -181,7 +184,8 @@ def memory_breakdown(config: SFTConfig, arch: PretrainedConfig, setup: Setup, mo
         weights = loaded / (n if preset.startswith("zero3") else 1)
         master = 4 * model.trainable / n if mixed else 0
         grads = model.trainable_bytes / (n if sharded else 1)
-    gathered = 2 * model.layer_bytes if preset.startswith(("fsdp", "zero3")) else 0  # current + prefetched layer
+    layer = model.layer_half_bytes if mixed else model.layer_bytes
+    gathered = 2 * layer if preset.startswith(("fsdp", "zero3")) else 0  # current + prefetched layer
     if preset.endswith("offload"):  # sharded parameters (and FSDP's gradients) live in CPU memory between uses
         weights, master = 0, 0
         grads = grads if preset.startswith("zero") else 0

@@ -158,16 +158,18 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
         weight_bytes += sum(t.numel() for t in tensors if t.dtype == torch.uint8)
     trainable = [p for p in model.parameters() if p.requires_grad]
     layers = unwrapped(model).get_decoder().layers
-    params = {id(p): p for p in model.parameters()}.values()
-    half_bytes = weight_bytes - sum(p.numel() * (p.element_size() - 2) for p in params
-                                    if p.is_floating_point() and p.element_size() > 2)
+    half_bytes = weight_bytes - _bytes(model) + _bytes(model, half=True)
     return Model(weight_bytes=weight_bytes, half_bytes=half_bytes, trainable=sum(p.numel() for p in trainable),
                  trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
-                 matmul_params=matmul_params(arch), layer_bytes=max(_bytes(layer) for layer in layers))
+                 matmul_params=matmul_params(arch), layer_bytes=max(_bytes(layer) for layer in layers),
+                 layer_half_bytes=max(_bytes(layer, half=True) for layer in layers))
 
 
-def _bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def _bytes(module: torch.nn.Module, half: bool = False) -> int:
+    """Bytes of the module's parameters (each shared one once); half: floating-point ones at 16 bits at most."""
+    params = {id(p): p for p in module.parameters()}.values()
+    return sum(p.numel() * (min(p.element_size(), 2) if half and p.is_floating_point() else p.element_size())
+               for p in params)
 
 
 def matmul_params(arch: PretrainedConfig) -> int:
