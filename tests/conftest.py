@@ -47,6 +47,22 @@ def make_tokenizer():
                                    unk_token="<unk>")
 
 
+def make_gemma3(vocab_size: int, seed: int = 0):
+    """A tiny Gemma-3 as its 4B+ checkpoints load (Gemma3ForConditionalGeneration: a SigLIP vision tower and its
+    projector beside the text decoder), random init from `seed`, fp32; image tokens past `vocab_size`."""
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    torch.manual_seed(seed)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, vocab_size=vocab_size + 8, max_position_embeddings=512, use_cache=False)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          boi_token_index=vocab_size + 1, eoi_token_index=vocab_size + 2,
+                          image_token_index=vocab_size + 3)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

@@ -232,3 +232,30 @@ def test_deepspeed_eval_of_a_trained_model_equals_one_process(recipe, single, tm
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "sft", "eval",
          recipe, "--model_name_or_path", single, "--distributed", preset, "--output_dir", out])
     assert eval_loss(out) == pytest.approx(eval_loss(single), abs=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
+def test_torchrun_trains_a_multimodal_model_on_text_with_gradient_checkpointing(tmp_path):
+    """Gemma-3 4B+ (Gemma3ForConditionalGeneration) under torchrun with gradient checkpointing, where the Trainer's
+    DDP does not look for unused parameters: its vision tower got no gradient from text and step 2 failed ("Expected
+    to have finished reduction in the prior iteration"). The towers are frozen: both steps run, the text model
+    trains and the tower is saved as loaded."""
+    from transformers import AutoTokenizer
+
+    from conftest import make_gemma3
+
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
+    model = tmp_path / "gemma3"
+    make_gemma3(len(tokenizer)).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    recipe = write_recipe(tmp_path, model_name_or_path=str(model), gradient_checkpointing=True, eval_dataset=None)
+    out = tmp_path / "run"
+    run(torchrun("train", recipe, "--output_dir", out))
+    for rank in (0, 1):
+        report = json.loads((out / f"batches-rank{rank}.json").read_text())
+        assert report["world_size"] == 2 and set(report["called"]) == {"DistributedDataParallel"}
+        assert len(report["batches"]) == STEPS
+    initial, trained = load_file(model / "model.safetensors"), load_file(out / "model.safetensors")
+    tower = [k for k in initial if k.startswith(("vision_tower.", "multi_modal_projector."))]  # as checkpoints name them
+    assert len(tower) == 34 and all(torch.equal(initial[k], trained[k]) for k in tower)
+    assert max(float((trained[k] - initial[k]).abs().max()) for k in initial if k not in tower) > 1e-4

@@ -2,17 +2,19 @@
 loss) and packing isolation are decided; every caller reads it."""
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from sft.errors import SFTError
 from sft.models import families
 from sft.models.families import FAMILIES, Family
+from sft.models.loading import load_model
 from sft.planning.memory import chunked_loss_applies
 from sft.training.flows import check_packing_model
 from sft.training.loss import supports_chunked_loss
 from sft.training.recipe import load_recipe
 
-from conftest import make_llama
+from conftest import EMBEDDED_MODEL, make_gemma3, make_llama
 
 
 @pytest.fixture
@@ -57,3 +59,29 @@ def test_packing_lists_come_from_the_table():
     assert refused == ["bloom", "gpt_oss", "mpt", "opt"]
     assert len(verified) == 31 and not set(verified) & set(refused)
     assert {"t5", "bart", "olmo"}.isdisjoint(verified + refused)  # in the table, packing not verified
+
+
+def test_a_multimodal_model_s_towers_are_what_text_never_reaches(tmp_path):
+    """Gemma-3 4B+ loads with its SigLIP tower and projector: they get no gradient from text (34 of the tiny
+    model's parameters, every one without .grad after a text forward and backward); a text model has none."""
+    from transformers import AutoTokenizer
+
+    model = make_gemma3(64)
+    towers = families.non_text_towers(model)
+    assert towers == ["model.vision_tower", "model.multi_modal_projector"]
+    ids = torch.randint(0, 64, (1, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    unused = {name for name, param in model.named_parameters() if param.grad is None}
+    in_towers = {name for name, _ in model.named_parameters() if name.startswith(tuple(towers))}
+    assert unused == in_towers and len(unused) == 34
+    assert families.non_text_towers(make_llama(64)) == []  # control: a text model's every module is reached
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
+    make_gemma3(len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    full = load_model(load_recipe({"model_name_or_path": str(tmp_path)}), tokenizer)
+    frozen = {name for name, param in full.named_parameters() if not param.requires_grad}
+    assert frozen == in_towers  # the whole text model trains
+    lora = load_model(load_recipe({"model_name_or_path": str(tmp_path), "use_peft": True,
+                                   "lora_target_modules": ["q_proj", "v_proj"]}), tokenizer)
+    adapted = {name.split(".lora_A")[0] for name, _ in lora.named_parameters() if ".lora_A." in name}
+    assert len(adapted) == 4 and all(".language_model.layers." in name for name in adapted)  # 2 layers x q, v

@@ -4,6 +4,7 @@ import contextlib
 import difflib
 import functools
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
+from sft.models.families import non_text_towers
 
 log = logging.getLogger(__name__)
 # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` on every adapter it builds or loads.
@@ -53,6 +55,8 @@ def lora_config(config: SFTConfig, model: PreTrainedModel, new_rows: range = ran
         use_rslora=config.use_rslora,
         modules_to_save=config.lora_modules_to_save,
         trainable_token_indices=new_token_targets(model, new_rows, config.lora_modules_to_save or []),
+        # a vision tower's q_proj/v_proj match the recipe's names too; text never runs through it
+        exclude_modules="|".join(rf"{re.escape(name)}(\..*)?" for name in non_text_towers(model)) or None,
     )
 
 

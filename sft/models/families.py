@@ -9,6 +9,7 @@ packing refused as unverified.
 
 from dataclasses import dataclass
 
+from torch import nn
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
@@ -103,6 +104,35 @@ def has_plain_head(model_config: PretrainedConfig) -> bool:
     router_loss = getattr(model_config, "output_router_logits", False)  # MoE aux loss is added after the head
     return (not model_config.is_encoder_decoder and family(model_config.model_type).plain_head
             and not router_loss)
+
+
+# Sub-configs of a model with inputs besides text (Gemma-3 4B+, Qwen-VL, LLaVA, Mistral-Small-3.1, Llama-4, Gemma-3n).
+NON_TEXT_CONFIGS = ("vision_config", "audio_config")
+
+
+def non_text_towers(model: nn.Module) -> list[str]:
+    """Module names of a multimodal causal LM that text never runs through: its vision/audio encoders and their
+    projectors, the topmost modules none of whose parameters belong to the decoder, the input embeddings or the
+    head. sft trains on text: these get no gradient, which DDP without find_unused_parameters (the Trainer's default
+    under gradient checkpointing) fails on at step 2, and a LoRA on every linear layer would adapt them uselessly."""
+    config = model.config
+    if config.is_encoder_decoder or not any(getattr(config, key, None) for key in NON_TEXT_CONFIGS):
+        return []
+    text = (model.get_decoder(), model.get_input_embeddings(), model.get_output_embeddings())
+    reached = {id(p) for module in text if module is not None for p in module.parameters()}
+    return unreached_modules(model, reached)
+
+
+def unreached_modules(module: nn.Module, reached: set[int], prefix: str = "") -> list[str]:
+    """The topmost submodules of `module` holding parameters, none of them in `reached`."""
+    names = []
+    for name, child in module.named_children():
+        params = [id(p) for p in child.parameters()]
+        if params and not reached.intersection(params):
+            names.append(prefix + name)
+        elif params:
+            names += unreached_modules(child, reached, f"{prefix}{name}.")
+    return names
 
 
 def check_packing_supported(model_config: PretrainedConfig, attn_implementation: str | None = None,
