@@ -15,7 +15,7 @@ from sft.data.collators import PackedCollator, PaddingFreeCollator
 from sft.data.packing import estimate_packing, pack_dataset, pack_dataset_with_stats
 from sft.models.families import check_packing_supported, packing_families
 
-from conftest import FIXTURES
+from conftest import FIXTURES, make_gemma3
 
 VOCAB = 128
 
@@ -393,6 +393,10 @@ def test_flex_attention_packed_rows_equal_alone(family):
 
 def family_config(model_type: str):
     """A tiny config of any family: TINY's keys that the family knows, plus the ones some families need."""
+    if model_type == "gemma3":  # multimodal: a tiny text model and vision tower, sliding windows of 8 tokens
+        config = make_gemma3(VOCAB - 8).config
+        config.text_config.sliding_window = 8
+        return config
     known = AutoConfig.for_model(model_type).to_dict()
     extra = dict(head_dim=8, sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                  n_embd=32, n_layer=2, n_head=4, n_positions=256, n_inner=64, ffn_dim=64, word_embed_proj_dim=32,

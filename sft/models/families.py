@@ -60,6 +60,7 @@ FAMILIES = {
         "ministral", "gemma3_text", "phi", "gpt_bigcode", "gptj", "codegen", "olmo3", "granite", "granitemoe",
         "cohere", "cohere2", "stablelm", "smollm3", "glm4", "exaone4", "llama4_text",
         "falcon")},  # falcon: its mask takes position_ids since transformers 5.24 (rotary and ALiBi alike)
+    "gemma3": _decoder(),  # Gemma-3 4B+ with its vision tower, trained on text: gemma3_text's decoder and masks
     **{name: Family(packing=False) for name in ("opt", "bloom", "mpt", "gpt_oss")},
     "t5": Family(wrap=("T5Block",)),
     "bart": Family(wrap=("BartEncoderLayer", "BartDecoderLayer")),
