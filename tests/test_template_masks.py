@@ -315,6 +315,16 @@ def test_history_policies_on_a_template_that_drops_earlier_think_blocks():
     assert len(ChatRenderer(tok, generation_eos=stops, history="error").render_row(row, "chat.jsonl", 3)) == 1
 
 
+@pytest.mark.parametrize("answer", ["<div>Hi</div>", "<3 you", "<thinking> is a tag"])
+def test_an_answer_opening_like_the_prompts_think_token_is_trained_whole(answer):
+    """DeepSeek-R1's generation prompt ends "<｜Assistant｜><think>\\n", its rendered answer "<｜Assistant｜>answer":
+    they first differ after the characters an answer such as "<div>" shares with <think>. Those are the answer's
+    (no text holds part of an added token): the whole answer is trained. It was refused as not rendered."""
+    tok, stops = family_tokenizer("deepseekv3")
+    row = {"messages": [ASK, {"role": "assistant", "content": answer}]}
+    assert trained_texts(tok, "deepseekv3", row, stops) == [answer + "<｜end▁of▁sentence｜>"]
+
+
 def reasoning_row(**fields) -> dict:
     """The reasoning conversation with its reasoning under other names."""
     first, second = (dict(m) for m in CONVERSATIONS["reasoning"]["messages"][1::2])

@@ -5,7 +5,8 @@ prompt/completion; `train: false` or `weight: 0` marks context).
 
 The rule, for every template: a trained assistant turn i is exactly what the model must generate after the
 generation prompt. Its text is the rendering F of messages[:i+1]; it starts where P = render(messages[:i],
-add_generation_prompt=True) ends (where P is not a prefix of F, where the two first differ) and runs through the
+add_generation_prompt=True) ends (where P is not a prefix of F, where the two first differ, never inside an added
+token of P: answer_start) and runs through the
 first stop token after that (sft.data.stops.stop_tokens: the tokenizer's EOS and the generation config's EOS
 list). Role headers inside P are context; think blocks, channel headers and tool-call markup after it are trained.
 When F ends the turn without a stop token (GLM ends turns with the next role tag), the stop token the template
@@ -168,7 +169,7 @@ class ChatRenderer:
             found = final.rfind(opening)
             if found >= 0 and len(opening) > len(previous):
                 return prompt + final[found + len(opening):], len(prompt)
-        start = common_prefix(prompt, final)
+        start = answer_start(prompt, final, self.tokenizer)
         if previous and previous in prompt[start:]:
             raise ctx.error("the chat template renders the conversation before this assistant turn differently "
                             "once the turn is added, so where the answer starts is unknown",
@@ -348,6 +349,18 @@ def _skip_space(text: str, pos: int) -> int:
     while pos < len(text) and text[pos].isspace():
         pos += 1
     return pos
+
+
+def answer_start(prompt: str, final: str, tokenizer: PreTrainedTokenizerBase) -> int:
+    """Where an answer starts in its rendering `final` when `prompt` is not a prefix of it: where the two first
+    differ, moved back to the start of an added token of the prompt that point cuts. DeepSeek-R1's prompt ends
+    with <think>; an answer "<div>" shares its "<", which is the answer's: no text holds part of an added token."""
+    start = common_prefix(prompt, final)
+    window = max(start - 64, 0)  # the prompt's tokens around that point, not the whole conversation again
+    tokens = tokenizer(prompt[window:start + 64], add_special_tokens=False, return_offsets_mapping=True)
+    added = tokenizer.added_tokens_decoder
+    return next((window + a for token, (a, b) in zip(tokens["input_ids"], tokens["offset_mapping"])
+                 if window + a < start < window + b and token in added), start)
 
 
 def common_prefix(a: str, b: str) -> int:
