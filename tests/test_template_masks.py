@@ -12,6 +12,7 @@ added, and the stop tokens are those the publisher's generation_config.json decl
 import copy
 import re
 from functools import cache
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -323,6 +324,23 @@ def test_an_answer_opening_like_the_prompts_think_token_is_trained_whole(answer)
     tok, stops = family_tokenizer("deepseekv3")
     row = {"messages": [ASK, {"role": "assistant", "content": answer}]}
     assert trained_texts(tok, "deepseekv3", row, stops) == [answer + "<｜end▁of▁sentence｜>"]
+
+
+def test_a_tool_result_closed_differently_once_more_follows_keeps_the_answer_after_it():
+    """Hermes-3's tool_use template closes the last tool result "</tool_response><|im_end|>" and one that more
+    messages follow "</tool_response>\\n<|im_end|>". The answer after the result is what the model writes after the
+    prompt it gets at inference (the first form and "<|im_start|>assistant\\n"), not a lone newline: that was taken
+    for the answer and the row refused as not rendering its content."""
+    tok, stops = family_tokenizer("qwen2_5")
+    tok = copy.deepcopy(tok)
+    tok.chat_template = (Path(__file__).parent / "templates" / "hermes_3_tool_use.jinja").read_text(encoding="utf-8")
+    row = CONVERSATIONS["tool"]
+    assert trained_texts(tok, "hermes", row, stops) == ["It is sunny in Paris.<|im_end|>", QWEN_CALL + "<|im_end|>"]
+    answer = ChatRenderer(tok, generation_eos=stops).render_row(row, "chat.jsonl", 3)[0]
+    assert answer.text.endswith("Sunny, 20 C\n</tool_response><|im_end|><|im_start|>assistant\n"
+                                "It is sunny in Paris.<|im_end|>\n")
+    assert answer.text.startswith(tok.apply_chat_template(row["messages"][:3], tools=row["tools"], tokenize=False,
+                                                          add_generation_prompt=True))
 
 
 def reasoning_row(**fields) -> dict:

@@ -6,7 +6,7 @@ prompt/completion; `train: false` or `weight: 0` marks context).
 The rule, for every template: a trained assistant turn i is exactly what the model must generate after the
 generation prompt. Its text is the rendering F of messages[:i+1]; it starts where P = render(messages[:i],
 add_generation_prompt=True) ends (where P is not a prefix of F, where the two first differ, never inside an added
-token of P: answer_start) and runs through the
+token of P: sft.data.turns) and runs through the
 first stop token after that (sft.data.stops.stop_tokens: the tokenizer's EOS and the generation config's EOS
 list). Role headers inside P are context; think blocks, channel headers and tool-call markup after it are trained.
 When F ends the turn without a stop token (GLM ends turns with the next role tag), the stop token the template
@@ -30,6 +30,7 @@ from sft.data.formats import Rendered
 from sft.data.messages import Message, Row, conversation
 from sft.data.stops import message_delimiters, stop_tokens
 from sft.data.template_inputs import TemplateInputs
+from sft.data.turns import common_prefix, turn_text
 from sft.errors import SFTError
 
 THINK = re.compile(r"\s*{}(.*?){}\s*".format(*REASONING_TAGS), re.S)  # a reasoning block inside the content
@@ -137,7 +138,7 @@ class ChatRenderer:
         data = [m.data for m in messages]
         prompt = self._render(data[:i], tools, True, ctx)
         final = text if i == len(messages) - 1 else self._render(data[:i + 1], tools, False, ctx)
-        final, start = self._align(prompt, final, messages, i, ctx)
+        final, start = self._align(prompt, final, messages, tools, i, ctx)
         stop = self._stop.search(final, start)
         if stop is None:
             final = self._with_stop(data, tools, i, final, ctx)
@@ -150,32 +151,20 @@ class ChatRenderer:
         self._check_rendered(final[start:stop.start()], messages[i], ctx)
         return _Turn(final, start, stop.end(), _kinds(final, start, stop.start(), stop.end(), messages[i]))
 
-    def _align(self, prompt: str, final: str, messages: list[Message], i: int, ctx: Row) -> tuple[str, int]:
-        """The turn's example text and where the generated part starts in it.
-
-        The prompt is a prefix of the turn's rendering (the usual case): the answer starts where it ends. Where
-        only earlier text differs (Mistral v0.3 writes the system prompt before the last user message only), the
-        example is the prompt as the model sees it plus what follows the same generation prompt in the turn's
-        rendering. Otherwise (DeepSeek-R1 / Nemotron-3 open a think block in the prompt alone) the turn starts
-        where prompt and rendering first differ.
-        """
-        if final.startswith(prompt):
-            return final, len(prompt)
+    def _align(self, prompt: str, final: str, messages: list[Message], tools: list[dict] | None, i: int,
+               ctx: Row) -> tuple[str, int]:
+        """The turn's example text and where the generated part starts in it (turn_text); an error where the
+        rendering rewrites the previous message itself, so where the answer starts is unknown."""
         previous = messages[i - 1].data.get("content") if i else None
         previous = previous.strip() if isinstance(previous, str) else ""
-        at = prompt.rfind(previous) if previous else -1
-        if at >= 0:
-            opening = prompt[at:]  # the previous message's end and the generation prompt
-            found = final.rfind(opening)
-            if found >= 0 and len(opening) > len(previous):
-                return prompt + final[found + len(opening):], len(prompt)
-        start = answer_start(prompt, final, self.tokenizer)
-        if previous and previous in prompt[start:]:
+        history = lambda: self._render([m.data for m in messages[:i]], tools, False, ctx)
+        text, start = turn_text(prompt, final, previous, history, self.tokenizer)
+        if text is final and previous and previous in prompt[start:]:
             raise ctx.error("the chat template renders the conversation before this assistant turn differently "
                             "once the turn is added, so where the answer starts is unknown",
                             "Use a chat_template whose generation prompt is a prefix of the rendered turn "
                             "(e.g. a preset), or set `assistant_only_loss: false`.", messages[i].label)
-        return final, start
+        return text, start
 
     def _with_stop(self, data: list[dict], tools: list[dict] | None, i: int, final: str, ctx: Row) -> str:
         """`final` plus the stop token the template writes after turn i when the conversation goes on (GLM: the
@@ -349,33 +338,6 @@ def _skip_space(text: str, pos: int) -> int:
     while pos < len(text) and text[pos].isspace():
         pos += 1
     return pos
-
-
-def answer_start(prompt: str, final: str, tokenizer: PreTrainedTokenizerBase) -> int:
-    """Where an answer starts in its rendering `final` when `prompt` is not a prefix of it: where the two first
-    differ, moved back to the start of an added token of the prompt that point cuts. DeepSeek-R1's prompt ends
-    with <think>; an answer "<div>" shares its "<", which is the answer's: no text holds part of an added token."""
-    start = common_prefix(prompt, final)
-    window = max(start - 64, 0)  # the prompt's tokens around that point, not the whole conversation again
-    tokens = tokenizer(prompt[window:start + 64], add_special_tokens=False, return_offsets_mapping=True)
-    added = tokenizer.added_tokens_decoder
-    return next((window + a for token, (a, b) in zip(tokens["input_ids"], tokens["offset_mapping"])
-                 if window + a < start < window + b and token in added), start)
-
-
-def common_prefix(a: str, b: str) -> int:
-    """Length of the longest common prefix of a and b."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # binary search on prefix equality: fast on long conversations
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _alternation(tokens: list[str]) -> re.Pattern:

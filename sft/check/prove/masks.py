@@ -4,7 +4,7 @@ the token generation stops on.
 The expected mask is derived here, not read back from the encoder. Chat rows: from the chat template's own
 renderings, answer i starts where P = `render(messages[:i], add_generation_prompt=True)` and
 F = `render(messages[:i + 1])` first differ (the end of P for prefix-preserving templates; never inside an added
-token of P, sft.data.chat.answer_start) and runs through the
+token of P, sft.data.turns) and runs through the
 first token generation stops on (`sft.data.stops.stop_token_ids`: the tokenizer's EOS, the generation
 config's EOS ids, the template's end of turn); where F writes none after the answer starts (GLM-4.5), through the
 stop token the template writes when the conversation goes on (a user message, a tool result after a call). Each
@@ -26,13 +26,14 @@ from transformers import PreTrainedTokenizerBase
 
 from sft.check.prove.bench import Bench
 from sft.check.prove.result import Proof
-from sft.data.chat import THINK, answer_start, common_prefix, complement
+from sft.data.chat import THINK, complement
 from sft.data.encode import IGNORE_INDEX
 from sft.data.formats import CHAT_FORMATS
 from sft.data.messages import Row
 from sft.data.messages import conversation as read_conversation
 from sft.data.show import show_examples
 from sft.data.stops import stop_token_ids
+from sft.data.turns import common_prefix, turn_text
 from sft.models.loading import generation_eos
 
 ANSWER = {"alpaca": "output", "prompt_completion": "completion", "seq2seq": "target", "text": "text"}
@@ -152,7 +153,9 @@ def expected_turn(render: Callable, messages: list[dict], i: int, trained: bool,
     """Turn i as the rule defines it: F, or, where F writes no stop token after the answer starts (GLM ends no
     turn), F through the first stop token the template writes when the conversation goes on."""
     prompt, text = render(messages[:i], True), render(messages[:i + 1], False)
-    start = answer_start(prompt, text, tokenizer)
+    previous = messages[i - 1]["content"] if i else None
+    previous = previous.strip() if isinstance(previous, str) else ""
+    text, start = turn_text(prompt, text, previous, lambda: render(messages[:i], False), tokenizer)
     if stop_span(text, start, tokenizer, stops) is None:
         text = continued(render, messages, i, text, tokenizer, stops)
     stop = stop_span(text, start, tokenizer, stops)
