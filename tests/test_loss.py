@@ -1,5 +1,7 @@
 """The chunked trained-positions loss equals the plain full-logits loss, in value and in gradients."""
 
+import copy
+
 import pytest
 import torch
 
@@ -83,3 +85,31 @@ def test_chunked_loss_gathers_a_head_that_fsdp2_shards_as_its_own_unit(tmp_path)
             assert torch.allclose(param.grad.full_tensor(), ref.grad, atol=1e-6), name
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["gemma3_text", "gemma3"])
+def test_gemma3_chunked_loss_equals_its_own_and_a_soft_capped_head_keeps_its_own(multimodal):
+    """Gemma-3 (1B as Gemma3ForCausalLM, 4B+ as Gemma3ForConditionalGeneration) has a plain head: its 262k-token
+    logits were computed whole. The chunked loss and gradients equal the model's own; with
+    final_logit_softcapping set (Gemma-2 style) the head is not plain and the model keeps its own loss."""
+    from transformers import Gemma3ForCausalLM
+
+    from conftest import make_gemma3
+
+    model = make_gemma3(292) if multimodal else Gemma3ForCausalLM(make_gemma3(292).config.text_config).float()
+    model.train()
+    inputs = batch(300)
+    plain = model(**inputs).loss
+    plain.backward()
+    expected = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    assert attach_chunked_loss(model)
+    chunked = model(**inputs).loss
+    chunked.backward()
+    assert torch.allclose(chunked, plain, atol=1e-6)
+    assert {k for k, p in model.named_parameters() if p.grad is not None} == set(expected)
+    for name, grad in expected.items():
+        assert torch.allclose(dict(model.named_parameters())[name].grad, grad, atol=1e-6), name
+    capped = copy.deepcopy(model.config)
+    capped.get_text_config().final_logit_softcapping = 30.0
+    assert not attach_chunked_loss(type(model)(capped))

@@ -57,10 +57,13 @@ FAMILIES = {
     "olmo2": _decoder(plain_head=True),
     "olmo": Family(plain_head=True),
     **{name: _decoder() for name in (
-        "ministral", "gemma3_text", "phi", "gpt_bigcode", "gptj", "codegen", "olmo3", "granite", "granitemoe",
+        "ministral", "phi", "gpt_bigcode", "gptj", "codegen", "olmo3", "granite", "granitemoe",
         "cohere", "cohere2", "stablelm", "smollm3", "glm4", "exaone4", "llama4_text",
         "falcon")},  # falcon: its mask takes position_ids since transformers 5.24 (rotary and ALiBi alike)
-    "gemma3": _decoder(),  # Gemma-3 4B+ with its vision tower, trained on text: gemma3_text's decoder and masks
+    # Gemma-3 1B, and 4B+ with its vision tower trained on text (gemma3_text's decoder and masks); plain heads where
+    # final_logit_softcapping is unset, as in every Gemma-3 release (has_plain_head reads it)
+    "gemma3_text": _decoder(plain_head=True),
+    "gemma3": _decoder(plain_head=True),
     **{name: Family(packing=False) for name in ("opt", "bloom", "mpt", "gpt_oss")},
     "t5": Family(wrap=("T5Block",)),
     "bart": Family(wrap=("BartEncoderLayer", "BartDecoderLayer")),
@@ -103,8 +106,9 @@ def has_plain_head(model_config: PretrainedConfig) -> bool:
     """Whether the config describes a causal LM whose logits are a plain linear head over its decoder's output (the
     chunked loss applies when the loaded head is also a bias-free nn.Linear)."""
     router_loss = getattr(model_config, "output_router_logits", False)  # MoE aux loss is added after the head
+    softcapped = getattr(model_config.get_text_config(), "final_logit_softcapping", None) is not None  # Gemma-2
     return (not model_config.is_encoder_decoder and family(model_config.model_type).plain_head
-            and not router_loss)
+            and not router_loss and not softcapped)
 
 
 # Sub-configs of a model with inputs besides text (Gemma-3 4B+, Qwen-VL, LLaVA, Mistral-Small-3.1, Llama-4, Gemma-3n).
