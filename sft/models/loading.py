@@ -80,7 +80,10 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     # An adapter grows the embeddings as peft's loaders will (exactly, no padding) or as its saved weights say.
     rows = adapter_embedding_rows(model, tokenizer, adapter) if adapter or config.use_peft else None
     new_ids = fit_embeddings(model, tokenizer, rows)
-    freeze_non_text_towers(model)
+    towers = freeze_non_text_towers(model)
+    if towers:
+        count = sum(p.numel() for name in towers for p in model.get_submodule(name).parameters())
+        log.info("Frozen, as text never runs through them: %s (%s parameters).", ", ".join(towers), f"{count:,}")
     if adapter:
         warn_unquantized_base(config, adapter)
         return load_trained_adapter(model, adapter, config)
@@ -89,16 +92,14 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     return model
 
 
-def freeze_non_text_towers(model: PreTrainedModel) -> None:
+def freeze_non_text_towers(model: PreTrainedModel) -> list[str]:
     """A multimodal model's vision/audio towers (families.non_text_towers) get no gradient from text: frozen, DDP
     does not wait for their gradients (Gemma-3 4B under torchrun with gradient checkpointing failed at step 2:
     "Expected to have finished reduction in the prior iteration") and the optimizer keeps no state for them."""
     towers = non_text_towers(model)
     for name in towers:
         model.get_submodule(name).requires_grad_(False)
-    if towers:
-        count = sum(p.numel() for name in towers for p in model.get_submodule(name).parameters())
-        log.info("Frozen, as text never runs through them: %s (%s parameters).", ", ".join(towers), f"{count:,}")
+    return towers
 
 
 def warn_unquantized_base(config: SFTConfig, adapter: str) -> None:
