@@ -15,13 +15,13 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from sft import load_recipe, train
+from sft import load_recipe, rundir, train
 from sft.cli.main import main
 from sft.data.tokenizer import load_tokenizer
 from sft.models.loading import load_model
 from sft.models.saved import load_for_inference
 
-from conftest import make_llama, write_json
+from conftest import make_llama, snapshot, write_json
 
 ROWS = [{"prompt": "Add 2 and 3 <|calc|>", "completion": " 5"},
         {"prompt": "The capital of France is", "completion": " Paris."}]
@@ -157,6 +157,30 @@ def test_merge_never_replaces_a_users_files_and_replaces_its_own_only_with_overw
     assert "already holds a model sft wrote" in capsys.readouterr().err
     assert main(["merge", str(lora_run), str(out), "--overwrite"]) == 0
     assert (out / "model.safetensors").is_file()
+
+
+def test_merge_refuses_an_output_inside_a_run_and_never_replaces_a_run(lora_run, tmp_path, capsys):
+    """`sft merge RUN RUN/merged` wrote a folder the run's manifest does not list: a later --overwrite_output_dir of
+    the run refused it as foreign (and as RUN/checkpoint-9 it would pass for the run's own checkpoint). `--overwrite`
+    onto a training run deleted its adapter, checkpoints and recipe: it replaces an earlier merge only."""
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run)
+    (run / "checkpoint-2").mkdir()
+    before = snapshot(run)
+    for inside in (run / "merged", run / "checkpoint-9", run / "checkpoint-2" / "merged"):
+        assert main(["merge", str(run), str(inside)]) == 2
+        err = capsys.readouterr().err
+        assert f"OUTPUT_DIR {inside} is inside the sft run {run.resolve()}" in err and "Traceback" not in err
+        assert f"e.g. {tmp_path.resolve() / 'run-merged'}" in err
+    other = tmp_path / "other"
+    shutil.copytree(lora_run, other)
+    for extra in ([], ["--overwrite"]):
+        assert main(["merge", str(other), str(run), *extra]) == 2
+        assert (f"OUTPUT_DIR {run} holds an sft training run (adapter_config.json, checkpoint-2, recipe.yaml, "
+                "trainer_state.json, training_args.bin), not an earlier merge") in capsys.readouterr().err
+    assert snapshot(run) == before
+    assert rundir.foreign_entries(run) == []  # a later --overwrite_output_dir of the run is not refused
+    assert main(["merge", str(run), str(tmp_path / "run-merged")]) == 0  # beside the run, as the message says
 
 
 @pytest.fixture(scope="module")

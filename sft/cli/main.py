@@ -162,7 +162,8 @@ def add_inference_verbs(verbs: argparse._SubParsersAction) -> None:
                                          "and save a plain transformers model (safetensors, tokenizer, chat template).")
     merge.add_argument("adapter_dir", help="output_dir (or checkpoint-N folder) of a use_peft run")
     merge.add_argument("output_dir",
-                       help="folder for the merged model: new, empty, or an earlier merge (with --overwrite)")
+                       help="folder for the merged model, outside the run: new, empty, or an earlier merge "
+                            "(with --overwrite)")
     merge.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights dtype (auto: the base's)")
     merge.add_argument("--overwrite", action="store_true",
                        help="replace an earlier merge sft wrote there (never other files)")

@@ -12,6 +12,8 @@ from sft.models.adapters import ADAPTER_CONFIG, is_adapter_folder
 from sft.models.saved import check_folder, load_adapter, load_saved_tokenizer
 
 log = logging.getLogger(__name__)
+# Files of a training or eval run that a merged model folder never holds (with checkpoint-N and runs/ folders)
+RUN_FILES = ("recipe.yaml", "trainer_state.json", "training_args.bin", ADAPTER_CONFIG, "eval_results.json")
 
 
 def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = "auto", overwrite: bool = False,
@@ -52,14 +54,37 @@ def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = 
 
 
 def check_output(out: Path, adapter: Path, overwrite: bool) -> None:
-    """Refuse an output folder that holds files sft did not write, an earlier merge (unless overwrite), a file, or the
-    adapter itself."""
+    """Refuse an output folder that holds files sft did not write, an earlier merge (unless overwrite), a training
+    run, a file, the adapter itself, or a folder inside an sft run."""
     if out.resolve() == adapter.resolve() or out.resolve() in adapter.resolve().parents:
         raise SFTError(f"OUTPUT_DIR {out} contains the adapter {adapter}; choose another folder.")
+    check_outside_runs(out)
     rundir.check_output_dir(out, "OUTPUT_DIR")
+    run_files = training_run_entries(out)
+    if run_files:  # --overwrite would delete the run: its adapter, checkpoints and recipe
+        raise SFTError(f"OUTPUT_DIR {out} holds an sft training run ({rundir.describe(run_files)}), not an earlier "
+                       "merge; sft merge never replaces a run. Choose another folder.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise SFTError(f"OUTPUT_DIR {out} already holds a model sft wrote. Choose an empty folder or pass --overwrite "
                        "to replace it.")
+
+
+def check_outside_runs(out: Path) -> None:
+    """Refuse an output folder inside an sft run (`sft merge RUN RUN/merged`): the run's manifest does not list it, so
+    a later `--overwrite_output_dir` of the run refused it as a foreign file, and named checkpoint-N it would be taken
+    for the run's own checkpoint (resumed from, rotated away, deleted by the overwrite)."""
+    run = next((folder for folder in out.resolve().parents if rundir.is_run(folder)), None)
+    if run is not None:
+        raise SFTError(f"OUTPUT_DIR {out} is inside the sft run {run}, which owns only the files it wrote. Merge "
+                       f"into a folder outside it, e.g. {run.parent / (run.name + '-merged')}.")
+
+
+def training_run_entries(out: Path) -> list[str]:
+    """What `out` holds that `sft train` or `sft eval` writes and a merge never does: it is a run, not a merge."""
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir()
+                  if p.name in RUN_FILES or (p.is_dir() and rundir.CHECKPOINT_NAME.match(p.name)))
 
 
 def empty_output(out: Path) -> None:
