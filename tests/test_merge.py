@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,6 +138,22 @@ def test_trained_and_merged_models_stop_at_the_templates_end_of_turn(lora_run, t
     full = train(load_recipe(dict(model_name_or_path=base, dataset=str(write_json(tmp_path / "d.json", ROWS)),
                                   output_dir=str(tmp_path / "full"), max_steps=1, report_to="none")))
     assert end in listed(GenerationConfig.from_pretrained(full).eos_token_id)
+
+
+def test_a_merged_checkpoint_stops_at_the_templates_end_of_turn(lora_run, tmp_path):
+    """A peft save writes no generation_config.json, and checkpoints got none: `sft merge RUN/checkpoint-N` took the
+    base's, whose eos_token_id [2] lacks <|end|>, so the merged model wrote past every turn outside sft. Checkpoints
+    now carry the run's; one saved before takes its run's."""
+    base = json.loads((lora_run / "adapter_config.json").read_text())["base_model_name_or_path"]
+    run = run_adapter(Path(base), tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=1)
+    ids = listed(GenerationConfig.from_pretrained(run).eos_token_id)
+    end = AutoTokenizer.from_pretrained(run).convert_tokens_to_ids("<|end|>")
+    assert end in ids and listed(GenerationConfig.from_pretrained(base).eos_token_id) == [2]  # the control
+    assert listed(GenerationConfig.from_pretrained(run / "checkpoint-1").eos_token_id) == ids
+    (run / "checkpoint-2" / "generation_config.json").unlink()  # as saved before checkpoints carried it
+    for checkpoint in ("checkpoint-1", "checkpoint-2"):
+        assert main(["merge", str(run / checkpoint), str(tmp_path / f"merged-{checkpoint}")]) == 0
+        assert listed(GenerationConfig.from_pretrained(tmp_path / f"merged-{checkpoint}").eos_token_id) == ids
 
 
 def listed(ids: int | list[int] | None) -> list[int]:

@@ -42,8 +42,7 @@ def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = 
     model = load_adapter(folder, tokenizer, dtype, base_model, device="cpu", dequantize=True)
     merged = model.merge_and_unload()
     merged.config.use_cache = True  # training switched the KV cache off; the merged model is for inference
-    if (folder / GENERATION_CONFIG_NAME).is_file():  # the run's stop tokens (sft train wrote them), not the base's
-        merged.generation_config = GenerationConfig.from_pretrained(str(folder))
+    merged.generation_config = run_generation_config(folder) or merged.generation_config  # else the base's
     empty_output(out)
     merged.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
@@ -51,6 +50,20 @@ def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = 
     # the base actually loaded (--base_model or adapter_config.json's), which peft_config does not record
     log.info("Merged %s into %s and saved it to %s", folder, merged.name_or_path, out)
     return out
+
+
+def run_generation_config(folder: Path) -> GenerationConfig | None:
+    """The generation config `sft train` saved with the adapter, holding the run's stop tokens (the template's end of
+    turn, which the base's may lack): the folder's, or for a checkpoint saved before checkpoints carried one, its
+    run's (same tokenizer and template, so the same stops). None, with a warning, when neither has one."""
+    run = folder.parent if rundir.CHECKPOINT_NAME.match(folder.name) else folder
+    for candidate in dict.fromkeys((folder, run)):
+        if (candidate / GENERATION_CONFIG_NAME).is_file():
+            return GenerationConfig.from_pretrained(str(candidate))
+    log.warning("%s has no %s: the merged model keeps the base's stop tokens, which may lack the chat template's end "
+                "of turn (sft generate adds it; check eos_token_id there for other servers).", folder,
+                GENERATION_CONFIG_NAME)
+    return None
 
 
 def check_output(out: Path, adapter: Path, overwrite: bool) -> None:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import datasets
 import transformers
-from peft import PeftModel
 from transformers import PretrainedConfig
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -256,9 +255,7 @@ def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: di
     """Model, tokenizer, results, state, recipe, data stats, loss plot and model card."""
     out = Path(config.output_dir)
     prepare_final_save(trainer)
-    trainer.save_model(str(out))
-    if trainer.is_world_process_zero() and isinstance(trainer.model, PeftModel):  # an adapter saves no such file
-        trainer.model.generation_config.save_pretrained(str(out))  # the run's stop tokens, for sft merge
+    trainer.save_model(str(out))  # an adapter with its generation_config.json (SFTMixin._save), for sft merge
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
     if has_eval:

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import torch
+from peft import PeftModel
 from torch import nn
 from torch.utils.data import IterableDataset, SequentialSampler
 from transformers import (
@@ -262,6 +263,14 @@ class SFTMixin:
         with self.checkpoint_staging.writing(run_dir, self.state.global_step):
             super()._save_checkpoint(model, trial)
         self.checkpoint_staging.finish(run_dir, self.state, self.args)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's save (final model and every checkpoint), plus an adapter's generation_config.json: a peft
+        save writes none, and `sft merge RUN/checkpoint-N` took the base's, whose stop ids lack the run's end of turn
+        (ChatML's <|im_end|> on a base Mistral), so transformers, vLLM and TGI wrote past the end of every turn."""
+        super()._save(output_dir, state_dict)
+        if self.args.should_save and isinstance(self.model, PeftModel):
+            self.model.generation_config.save_pretrained(output_dir or self.args.output_dir)
 
     def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
