@@ -22,6 +22,7 @@ MANIFEST = "sft_run.json"
 CHECKPOINT_NAME = re.compile(r"(checkpoint-\d+|\.staging-\d+|runs)$")
 SHOWN = 8  # foreign names listed in a refusal
 HASHED_BYTES = 16 * 2**20  # larger files (weights) are identified by size alone: hashing them costs seconds
+DATA_STATS = "data_stats.json"  # a run's data statistics; its `formats` say which prompt the model learnt
 # `writable`'s probe: every rank of a launch checks output_dir, so another rank's probe can be there for a moment.
 WRITE_PROBE = ".sft-write-test-"
 
@@ -124,3 +125,11 @@ def clear_run(out: Path) -> list[str]:
         path = out / name
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     return removed
+
+
+def run_file(folder: Path, name: str) -> Path | None:
+    """The file `name` of the run `folder` is, or is a checkpoint-N of, or None: a checkpoint lacks what a run writes
+    at its end (data_stats.json; generation_config.json of an adapter checkpoint saved by earlier versions)."""
+    folder = Path(folder)
+    run = folder.parent if re.fullmatch(r"checkpoint-\d+", folder.name) else folder
+    return next((candidate / name for candidate in (folder, run) if (candidate / name).is_file()), None)

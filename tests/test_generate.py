@@ -68,6 +68,19 @@ def test_generate_prompts_a_run_as_it_was_trained(quickstart_adapter, monkeypatc
     assert templates == ["alpaca", "chat"]
 
 
+def test_a_merged_run_is_prompted_as_it_was_trained(quickstart_adapter, tmp_path, monkeypatch):
+    """`sft merge` left the run's data_stats.json behind: `sft generate MERGED` of the quickstart (Alpaca rows, a
+    tokenizer with a chat template) prompted with the chat template, which the model never saw."""
+    merged = tmp_path / "merged"
+    assert main(["merge", str(quickstart_adapter), str(merged)]) == 0
+    assert (merged / "data_stats.json").read_bytes() == (quickstart_adapter / "data_stats.json").read_bytes()
+    templates = []
+    monkeypatch.setattr(generation, "generate", lambda model, tokenizer, messages, options, *rest: (
+        templates.append(options.template) or "reply"))
+    assert main(["generate", str(merged), "--prompt", "What is 18 plus 7?"]) == 0
+    assert templates == ["alpaca"]
+
+
 @pytest.mark.parametrize("formats, template", [
     ("alpaca", "alpaca"), ("messages", "chat"), ("messages, sharegpt", "chat"),
     ("alpaca, messages", None), ("prompt_completion", None), (None, None)])

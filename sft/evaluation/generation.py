@@ -16,6 +16,7 @@ from transformers import (
     TextStreamer,
 )
 
+from sft import rundir
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT, CHAT_FORMATS
 from sft.data.stops import stop_token_ids
 from sft.errors import SFTError
@@ -71,16 +72,17 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, s
 
 
 def trained_template(folder: str | Path) -> str | None:
-    """The prompt format a run folder (or one of its checkpoints, or an adapter) trained on, from its
+    """The prompt format a run folder (or one of its checkpoints, or its merged model) trained on, from its
     data_stats.json: alpaca when it trained Alpaca rows only, chat when chat rows only, else None. A model whose
     tokenizer has a chat template but was trained on Alpaca prompts (the quickstart) answers the prompt it learnt."""
-    for candidate in (Path(folder), Path(folder).parent):
-        try:
-            formats = set(json.loads((candidate / "data_stats.json").read_text())["formats"].split(", "))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue
-        return "alpaca" if formats == {"alpaca"} else "chat" if formats <= set(CHAT_FORMATS) else None
-    return None
+    stats = rundir.run_file(Path(folder), rundir.DATA_STATS)
+    if stats is None:
+        return None
+    try:
+        formats = set(json.loads(stats.read_text())["formats"].split(", "))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return "alpaca" if formats == {"alpaca"} else "chat" if formats <= set(CHAT_FORMATS) else None
 
 
 def encoder_source(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], template: str) -> str:

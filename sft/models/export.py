@@ -1,6 +1,7 @@
 """`sft merge`: fold a LoRA adapter into its base model and save a plain transformers model folder."""
 
 import logging
+import shutil
 from pathlib import Path
 
 from transformers import GenerationConfig
@@ -46,6 +47,7 @@ def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = 
     empty_output(out)
     merged.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+    keep_trained_formats(folder, out)
     rundir.claim(out)
     # the base actually loaded (--base_model or adapter_config.json's), which peft_config does not record
     log.info("Merged %s into %s and saved it to %s", folder, merged.name_or_path, out)
@@ -56,14 +58,22 @@ def run_generation_config(folder: Path) -> GenerationConfig | None:
     """The generation config `sft train` saved with the adapter, holding the run's stop tokens (the template's end of
     turn, which the base's may lack): the folder's, or for a checkpoint saved before checkpoints carried one, its
     run's (same tokenizer and template, so the same stops). None, with a warning, when neither has one."""
-    run = folder.parent if rundir.CHECKPOINT_NAME.match(folder.name) else folder
-    for candidate in dict.fromkeys((folder, run)):
-        if (candidate / GENERATION_CONFIG_NAME).is_file():
-            return GenerationConfig.from_pretrained(str(candidate))
+    saved = rundir.run_file(folder, GENERATION_CONFIG_NAME)
+    if saved is not None:
+        return GenerationConfig.from_pretrained(str(saved.parent))
     log.warning("%s has no %s: the merged model keeps the base's stop tokens, which may lack the chat template's end "
                 "of turn (sft generate adds it; check eos_token_id there for other servers).", folder,
                 GENERATION_CONFIG_NAME)
     return None
+
+
+def keep_trained_formats(folder: Path, out: Path) -> None:
+    """Copy the run's data_stats.json beside the merged model: `sft generate` and `sft chat` read there which prompt
+    the model learnt. Without it a merged Alpaca run whose tokenizer has a chat template (the quickstarts) was
+    prompted with that template, which it never saw."""
+    stats = rundir.run_file(folder, rundir.DATA_STATS)
+    if stats is not None:
+        shutil.copyfile(stats, out / rundir.DATA_STATS)
 
 
 def check_output(out: Path, adapter: Path, overwrite: bool) -> None:

@@ -267,7 +267,7 @@ def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: di
     if not trainer.is_world_process_zero():
         return
     save_recipe(config, out / "recipe.yaml")
-    (out / "data_stats.json").write_text(json.dumps(stats.as_dict(), indent=2) + "\n")
+    (out / rundir.DATA_STATS).write_text(json.dumps(stats.as_dict(), indent=2) + "\n")
     plot_loss(trainer.state.log_history, out / "loss.png")
     write_model_card(config, metrics, stats.as_dict(), out / "README.md", formats)
 
