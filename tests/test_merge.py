@@ -260,6 +260,22 @@ def test_merge_errors_exit_2_with_a_message(lora_run, tiny_model_dir, tmp_path, 
     assert f"`--base_model`: {tmp_path / 'missing'} does not exist. Give an existing folder" in err
 
 
+def test_an_adapter_without_its_tokenizer_is_named_as_such(lora_run, tmp_path, capsys):
+    """An adapter copied without its tokenizer files got transformers' "Couldn't instantiate the backend tokenizer
+    from one of:" (its first line, naming nothing)."""
+    bare = tmp_path / "adapter"
+    bare.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(lora_run / name, bare / name)
+    for verb in (["merge", str(bare), str(tmp_path / "out")], ["generate", str(bare), "--prompt", "hi"]):
+        assert main(verb) == 2
+        err = capsys.readouterr().err
+        assert (f"sft: error: {bare} holds no tokenizer files (tokenizer_config.json, tokenizer.json, ...): every sft "
+                f"run and checkpoint saves its tokenizer beside the model. Copy the run's tokenizer files into {bare}"
+                in err) and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("use_peft", [False, True])
 def test_a_run_folder_as_the_model_loads_its_base_and_adapter(lora_run, tmp_path, use_peft):
     # `sft eval RECIPE --model_name_or_path RUN` evaluates the adapter; use_peft trains it further.

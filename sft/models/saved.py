@@ -26,6 +26,8 @@ from sft.models.loading import auto_model_class, check_model_reference, fit_embe
 from sft.models.quantization import DTYPES, is_quantized, run_quantization
 
 log = logging.getLogger(__name__)
+# What a saved tokenizer consists of: any one of these (fast, sentencepiece or BPE files) lets AutoTokenizer try
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 def load_for_inference(path: str | Path, dtype: str = "auto", base_model: str | None = None,
@@ -62,6 +64,11 @@ def check_folder(path: str | Path) -> Path:
 
 def load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved with the run (it carries added tokens and the chat template)."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        # transformers' own error here is a list of backends it could not build ("Couldn't instantiate ... from")
+        raise SFTError(f"{folder} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): every sft run "
+                       f"and checkpoint saves its tokenizer beside the model. Copy the run's tokenizer files into "
+                       f"{folder} (the base model's do when the run added no tokens and no chat template).")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as err:
