@@ -16,10 +16,11 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from sft import load_recipe, rundir, train
+from sft import SFTError, load_recipe, rundir, train
 from sft.cli.main import main
 from sft.data.tokenizer import load_tokenizer
 from sft.models.loading import load_model
+from sft.models.quantization import run_quantization
 from sft.models.saved import load_for_inference
 
 from conftest import make_llama, snapshot, write_json
@@ -219,6 +220,26 @@ def test_qlora_merge_dequantizes_the_base_it_trained_on(qlora_run, tmp_path):
     ids = IDS.clamp(max=399)
     with torch.no_grad():
         assert (adapter(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() < 1e-4
+
+
+def test_a_killed_qlora_runs_checkpoint_loads_on_the_4bit_base(tmp_path, tokenizer, monkeypatch):
+    """recipe.yaml and data_stats.json were written at the end of a run only: a checkpoint of a QLoRA run killed
+    before it was merged (and generated) on the full-precision base, not the 4-bit one its adapter trained on."""
+    base = tmp_path / "base"
+    make_llama64(len(tokenizer)).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+
+    def killed(*args, **kwargs):
+        raise SFTError("killed before the final save")
+
+    monkeypatch.setattr("sft.training.flows.save_run", killed)
+    with pytest.raises(SFTError, match="killed"):
+        run_adapter(base, tmp_path / "run", load_in_4bit=True, max_steps=1, save_strategy="steps", save_steps=1)
+    run = tmp_path / "run"
+    assert (run / "checkpoint-1").is_dir() and not (run / "adapter_model.safetensors").exists()
+    assert run_quantization(run / "checkpoint-1")["quantization_config"].load_in_4bit
+    assert json.loads((run / "data_stats.json").read_text())["formats"] == "prompt_completion"
+    assert rundir.foreign_entries(run) == []  # both are sft's: a later --overwrite_output_dir is not refused
 
 
 def test_a_recipe_loading_a_qlora_adapter_on_an_unquantized_base_is_warned(qlora_run, caplog):

@@ -6,6 +6,7 @@ import torch
 import yaml
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
+from sft import rundir
 from sft.config.arguments import SFTConfig
 from sft.config.names import DTYPE_NAMES
 from sft.errors import SFTError
@@ -75,7 +76,7 @@ def is_quantized(model: PreTrainedModel) -> bool:
 
 def run_quantization(folder: Path) -> dict:
     """from_pretrained quantization arguments of the run that trained the adapter (from its recipe.yaml)."""
-    recipe = next((p / "recipe.yaml" for p in (folder, folder.parent) if (p / "recipe.yaml").is_file()), None)
+    recipe = rundir.run_file(folder, "recipe.yaml")  # a checkpoint's is its run's
     if recipe is None:
         return {}
     values = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}

@@ -68,6 +68,8 @@ def train(config: SFTConfig) -> Path:
     if eval_set is not None and eval_set is not eval_data.dataset and trainer.generation_eval is not None:
         trainer.generation_eval.use_offsets_of(eval_data.dataset)  # the packed eval set no longer carries them
     output_dir = prepare_output_dir(config, resume, trainer)
+    if trainer.is_world_process_zero():
+        write_run_facts(config, stats, output_dir)
     result = trainer.train(resume_from_checkpoint=resume)
     if trainer.is_world_process_zero():
         rundir.claim(output_dir)  # checkpoints so far are sft's, however the run ends
@@ -266,10 +268,21 @@ def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: di
     trainer.save_state()
     if not trainer.is_world_process_zero():
         return
-    save_recipe(config, out / "recipe.yaml")
-    (out / rundir.DATA_STATS).write_text(json.dumps(stats.as_dict(), indent=2) + "\n")
+    write_run_facts(config, stats, out)
     plot_loss(trainer.state.log_history, out / "loss.png")
     write_model_card(config, metrics, stats.as_dict(), out / "README.md", formats)
+
+
+def write_run_facts(config: SFTConfig, stats: DataStats, out: Path) -> None:
+    """recipe.yaml and data_stats.json, which say how the run trained: its quantization and its prompt format.
+
+    Written when training starts as well as at its end, so the checkpoints of a run killed before its end load as they
+    trained: `sft merge` and `sft generate` of a QLoRA checkpoint put the adapter on the 4-bit base (not the
+    full-precision one), and prompt an Alpaca run's with the Alpaca prompt, not the tokenizer's chat template.
+    """
+    save_recipe(config, out / "recipe.yaml")
+    (out / rundir.DATA_STATS).write_text(json.dumps(stats.as_dict(), indent=2) + "\n")
+    rundir.claim(out, ["recipe.yaml", rundir.DATA_STATS])  # sft's, however the run ends
 
 
 def evaluate(config: SFTConfig) -> dict[str, float]:
