@@ -148,6 +148,8 @@ def test_generate_on_a_model_folder_samples_reproducibly(tiny_model_dir, capsys)
 
 
 def test_generate_errors_exit_2_with_a_message(tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "--prompt", "hi", "--seed", "-1"]) == 2  # a traceback after loading
+    assert "sft: error: --seed must be between 0 and 4294967295, got -1." in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["chat", str(tmp_path)]) == 2

@@ -47,6 +47,8 @@ class GenerationOptions:
                            "decoding leave out --do_sample).")
         if self.do_sample and not 0 < self.top_p <= 1:
             raise SFTError(f"--top_p must be in (0, 1], got {self.top_p}.")
+        if self.seed is not None and not 0 <= self.seed < 2**32:  # numpy's seeding range (transformers.set_seed)
+            raise SFTError(f"--seed must be between 0 and {2**32 - 1}, got {self.seed}.")
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
