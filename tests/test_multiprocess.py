@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from sft.training.flows import train
 from sft.training.recipe import load_recipe
@@ -143,7 +143,10 @@ def test_zero3_lora_saves_a_non_empty_reloadable_adapter(recipe, tmp_path, tiny_
     adapter = load_file(run / "adapter_model.safetensors")
     lora_b = [name for name in adapter if "lora_B" in name]
     assert adapter and len(lora_b) == 2 * 7 and all(adapter[name].abs().sum() > 0 for name in lora_b)  # trained
-    weights = consolidated(assert_zero3_checkpoint(run), trainable_only=True)
+    checkpoint = assert_zero3_checkpoint(run)
+    weights = consolidated(checkpoint, trainable_only=True)
+    # the run's stop tokens with the adapter, in the checkpoint too (sft merge RUN/checkpoint-3 takes them)
+    assert GenerationConfig.from_pretrained(checkpoint).eos_token_id == GenerationConfig.from_pretrained(run).eos_token_id
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), run)
     reloaded = {name: p for name, p in model.named_parameters() if "lora_" in name}
     assert set(reloaded) == set(weights)
@@ -274,3 +277,5 @@ def test_fsdp2_lora_on_two_cpu_processes_trains_the_adapter_of_one_process(recip
     for name, tensor in adapter.items():
         assert torch.allclose(tensor, expected[name], atol=1e-5), name
     assert any(tensor.abs().max() > 0 for name, tensor in adapter.items() if "lora_B" in name)  # it trained
+    # the run's stop tokens beside the adapter, for sft merge (its sharded checkpoints hold no adapter to merge)
+    assert GenerationConfig.from_pretrained(run).eos_token_id == GenerationConfig.from_pretrained(single).eos_token_id
