@@ -33,6 +33,7 @@ from sft.training import checkpoints
 from sft.training.checkpoints import BATCH_KEY, LOSS_KEY, CheckpointStaging, batch_shape
 from sft.training.divergence import DivergenceGuard
 from sft.training.loss import EvalTokenSums, TokenLoss
+from sft.training.masters import loaded_in_float32, master_weights
 from sft.training.neftune import NEFTune
 from sft.training.signals import StopOnSignal
 from sft.training.throughput import STATE_KEY, ThroughputLog
@@ -117,6 +118,8 @@ class SFTMixin:
         self.checkpoint_staging = CheckpointStaging(self.accelerator)
         self.resumed_loss_sum: float | None = None  # the checkpoint's, on resume (see _finalize_training)
         self.zero3_parameters: int | None = None  # full non-embedding parameter count (floating_point_ops)
+        self.saves_masters = loaded_in_float32(self.model)  # read before DeepSpeed casts the weights (masters)
+        self.masters: dict[str, torch.Tensor] = {}  # gathered by save_model for _save
         generating = isinstance(self.args, Seq2SeqTrainingArguments) and self.args.predict_with_generate
         self.generation_eval = GenerationEval(self.args, self.accelerator, self.eval_dataset) if generating else None
 
@@ -250,6 +253,28 @@ class SFTMixin:
 
     def _get_output_dir(self, trial: Any) -> str:
         return self.checkpoint_staging.folder or super()._get_output_dir(trial)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer.save_model; under DeepSpeed 16-bit training of float32-loaded weights the model saved (final and
+        in checkpoints) holds the float32 masters (sft.training.masters), gathered here on every rank."""
+        engine = getattr(self, "deepspeed", None)
+        if self.saves_masters and self.is_deepspeed_enabled and getattr(engine, "optimizer", None) is not None:
+            self.masters = master_weights(engine, self.args.should_save)
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self.masters = {}
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer._save with the masters in place of their 16-bit copies, and config.json saying float32 (which
+        save_pretrained writes from the 16-bit weights)."""
+        if not self.masters or state_dict is None:
+            return super()._save(output_dir, state_dict)
+        super()._save(output_dir, {**state_dict, **self.masters})
+        if self.args.should_save:
+            config = self.accelerator.unwrap_model(self.model).config
+            config.dtype = torch.float32
+            config.save_pretrained(output_dir or self.args.output_dir)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """Write checkpoint-N into a staging folder, then rename it into place and rotate old ones."""
