@@ -119,7 +119,9 @@ def test_zero3_full_finetune_on_two_processes(recipe, tmp_path, tiny_model_dir, 
     they held the masters' bf16 rounding (config.json: bfloat16), which at lr 2e-5 was an error half the size of the
     training's whole change, and left every norm weight as it started."""
     run = tmp_path / "full"
-    torchrun([PROBE, "train", recipe, "--output_dir", run, "--bf16", "true"])
+    # 1 row x 2 accumulated micro-batches per process: step 1 still sees the 4 rows of single_process_loss
+    torchrun([PROBE, "train", recipe, "--output_dir", run, "--bf16", "true", "--per_device_train_batch_size", "1",
+              "--gradient_accumulation_steps", "2"])
     params = assert_partitioned(run)
     assert all(p["trainable"] for p in params.values())
     losses = step_losses(run)
