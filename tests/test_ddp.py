@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from sft.cli.launch import launch_command
 from sft.training.flows import train
+from sft.training.presets import DEEPSPEED_CONFIGS
 from sft.training.recipe import load_recipe
 
 from conftest import EMBEDDED_MODEL, REPO
@@ -189,8 +190,13 @@ def test_sft_launch_is_data_parallel_and_equals_one_process(recipe, single, tmp_
 
 
 def test_zero3_with_the_chunked_loss_equals_one_process(recipe, single, ddp_run, tmp_path):
+    # A user's own ZeRO-3 JSON without stage3_gather_16bit_weights_on_model_save (DeepSpeed's default: false): the
+    # final save must still be a whole model (it was DeepSpeed's shards only, no model.safetensors).
+    settings = json.loads(DEEPSPEED_CONFIGS["zero3"].read_text())
+    del settings["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+    (tmp_path / "ds.json").write_text(json.dumps(settings))
     out = tmp_path / "zero3"
-    run(torchrun("train", recipe, "--output_dir", out, "--distributed", "zero3"))
+    run(torchrun("train", recipe, "--output_dir", out, "--distributed", "zero3", "--deepspeed", tmp_path / "ds.json"))
     assert_data_parallel(out, "DeepSpeedEngine")
     assert max_weight_difference(out, single) < 1e-5
     assert eval_loss(out) == pytest.approx(eval_loss(single), abs=1e-5)

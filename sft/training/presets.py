@@ -383,6 +383,12 @@ def evaluation_config(config: SFTConfig) -> SFTConfig:
 
 
 def prepare_final_save(trainer: Trainer) -> None:
-    """Make the final save a whole model that from_pretrained loads (FSDP checkpoints are sharded)."""
+    """Make the final save a whole model that from_pretrained loads (FSDP checkpoints are sharded). A ZeRO-3 config
+    without stage3_gather_16bit_weights_on_model_save (DeepSpeed's default is false) saved no model at all: the
+    Trainer wrote DeepSpeed's shards into output_dir with a warning, and `sft generate RUN` or from_pretrained found
+    no weights; its checkpoints stay shards, resumable as before."""
     if trainer.is_fsdp_enabled:
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    engine = getattr(trainer, "deepspeed", None)
+    if trainer.is_deepspeed_enabled and engine is not None and zero_stage(trainer.args.deepspeed) == 3:
+        engine._config.zero_config.gather_16bit_weights_on_model_save = True
