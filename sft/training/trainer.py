@@ -265,17 +265,6 @@ class SFTMixin:
         finally:
             self.masters = {}
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Trainer._save with the masters in place of their 16-bit copies, and config.json saying float32 (which
-        save_pretrained writes from the 16-bit weights)."""
-        if not self.masters or state_dict is None:
-            return super()._save(output_dir, state_dict)
-        super()._save(output_dir, {**state_dict, **self.masters})
-        if self.args.should_save:
-            config = self.accelerator.unwrap_model(self.model).config
-            config.dtype = torch.float32
-            config.save_pretrained(output_dir or self.args.output_dir)
-
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """Write checkpoint-N into a staging folder, then rename it into place and rotate old ones."""
         run_dir = super()._get_output_dir(trial)
@@ -290,12 +279,21 @@ class SFTMixin:
         self.checkpoint_staging.finish(run_dir, self.state, self.args)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """The Trainer's save (final model and every checkpoint), plus an adapter's generation_config.json: a peft
-        save writes none, and `sft merge RUN/checkpoint-N` took the base's, whose stop ids lack the run's end of turn
-        (ChatML's <|im_end|> on a base Mistral), so transformers, vLLM and TGI wrote past the end of every turn."""
-        super()._save(output_dir, state_dict)
+        """The Trainer's save (final model and every checkpoint), plus:
+        - under DeepSpeed 16-bit training of float32-loaded weights, the masters in place of their 16-bit copies and
+          config.json saying float32, which save_pretrained writes from the 16-bit weights (sft.training.masters);
+        - an adapter's generation_config.json: a peft save writes none, and `sft merge RUN/checkpoint-N` took the
+          base's, whose stop ids lack the run's end of turn (ChatML's <|im_end|> on a base Mistral), so transformers,
+          vLLM and TGI wrote past the end of every turn."""
+        out = output_dir or self.args.output_dir
+        masters = self.masters if state_dict is not None else {}
+        super()._save(output_dir, {**state_dict, **masters} if masters else state_dict)
+        if masters and self.args.should_save:
+            config = self.accelerator.unwrap_model(self.model).config
+            config.dtype = torch.float32
+            config.save_pretrained(out)
         if self.args.should_save and isinstance(self.model, PeftModel):
-            self.model.generation_config.save_pretrained(output_dir or self.args.output_dir)
+            self.model.generation_config.save_pretrained(out)
 
     def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
