@@ -258,7 +258,9 @@ class SFTMixin:
         """Trainer.save_model; under DeepSpeed 16-bit training of float32-loaded weights the model saved (final and
         in checkpoints) holds the float32 masters (sft.training.masters), gathered here on every rank."""
         engine = getattr(self, "deepspeed", None)
-        if self.saves_masters and self.is_deepspeed_enabled and getattr(engine, "optimizer", None) is not None:
+        if self.saves_masters and self.is_deepspeed_enabled and getattr(engine, "optimizer", None) is not None and (
+                engine.zero_optimization_stage() != 3 or engine.zero_gather_16bit_weights_on_model_save()):
+            # (a ZeRO-3 save without the 16-bit gather writes DeepSpeed's shards, no model file)
             self.masters = master_weights(engine, self.args.should_save)
         try:
             super().save_model(output_dir, _internal_call)
