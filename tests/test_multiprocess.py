@@ -23,6 +23,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from sft.cli.main import main
 from sft.training.flows import train
 from sft.training.recipe import load_recipe
 
@@ -270,7 +271,7 @@ def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_whole_model(
 
 
 @pytest.mark.slow
-def test_fsdp2_lora_on_two_cpu_processes_trains_the_adapter_of_one_process(recipe, tmp_path):
+def test_fsdp2_lora_on_two_cpu_processes_trains_the_adapter_of_one_process(recipe, tmp_path, capsys):
     """LoRA under the fsdp preset: accelerate shards the head as a unit of its own, which the chunked loss gathers;
     the 3 step losses and the saved adapter equal a one-process run over the same global batches."""
     lora = ["--use_peft", "true", "--lora_dropout", "0.0"]
@@ -290,3 +291,8 @@ def test_fsdp2_lora_on_two_cpu_processes_trains_the_adapter_of_one_process(recip
     assert any(tensor.abs().max() > 0 for name, tensor in adapter.items() if "lora_B" in name)  # it trained
     # the run's stop tokens beside the adapter, for sft merge (its sharded checkpoints hold no adapter to merge)
     assert GenerationConfig.from_pretrained(run).eos_token_id == GenerationConfig.from_pretrained(single).eos_token_id
+    # its checkpoints are FSDP shards: sft merge said "Full fine-tunes need no merge" (it found no adapter_config.json)
+    for verb in (["merge", str(run / "checkpoint-3"), str(tmp_path / "merged")],
+                 ["generate", str(run / "checkpoint-3"), "--prompt", "hi"]):
+        assert main(verb) == 2
+        assert f"{run / 'checkpoint-3'} is an FSDP checkpoint: its weights are shards" in capsys.readouterr().err

@@ -57,6 +57,10 @@ def check_folder(path: str | Path) -> Path:
     if not folder.is_dir():
         raise SFTError(f"{path} does not exist or is not a folder. Give the output_dir of a run, one of its "
                        "checkpoint-N folders, or a saved model folder.")
+    if any(folder.glob("pytorch_model_fsdp_*")) and not any(folder.glob("*.safetensors")):
+        raise SFTError(f"{path} is an FSDP checkpoint: its weights are shards, one per rank, which only resuming the "
+                       "run reads. Give the run's output_dir (its final save is whole), or put the shards together "
+                       f"first: accelerate merge-weights {folder / 'pytorch_model_fsdp_0'} OUT.")
     if not is_adapter_folder(folder) and not (folder / "config.json").is_file():
         raise SFTError(f"{path} holds neither a model (config.json) nor a LoRA adapter ({ADAPTER_CONFIG}).")
     return folder
