@@ -229,3 +229,31 @@ def test_a_saved_tokenizer_tokenizes_as_training_did(tmp_path, name):
     load_saved_tokenizer(tmp_path / "run").save_pretrained(tmp_path / "merged")  # what sft merge does
     merged = AutoTokenizer.from_pretrained(tmp_path / "merged")
     assert [merged(t)["input_ids"] for t in texts] == [tokenizer(t)["input_ids"] for t in texts]
+
+
+def test_a_folder_of_split_files_trains_on_its_train_split_only(tmp_path, caplog):
+    """A folder laid out in splits as `datasets` reads one (train.jsonl beside validation.jsonl and test.jsonl; a Hub
+    repository's data/train-00000-of-00001.parquet) trains on its train files; `split` picks another, sliceable.
+    Every file was read as training data: the 1000-row Alpaca fixture split 800/100/100 trained 1000 rows, its test
+    rows included, without a word, and `split: test` was refused."""
+    import datasets
+
+    rows = [{"instruction": f"Say {i}", "input": "", "output": str(i)} for i in range(10)]
+    files, plain = tmp_path / "files", tmp_path / "test_parts"  # split names in a folder's own path do not count
+    files.mkdir(), plain.mkdir()
+    for name, part in (("train", rows[:6]), ("validation", rows[6:8]), ("test", rows[8:])):
+        write_json(files / f"{name}.jsonl", part, jsonl=True)
+    with caplog.at_level(logging.WARNING, logger="sft.data.sources"):
+        assert rows_of(files) == rows[:6]
+    assert "training on its `train` files (train.jsonl); validation: validation.jsonl; test: test.jsonl" in caplog.text
+    assert rows_of(files, "test") == rows[8:] and rows_of(files, "validation[:1]") == rows[6:7]
+    hub = tmp_path / "hub" / "data"
+    hub.mkdir(parents=True)
+    datasets.Dataset.from_list(rows[:7]).to_parquet(str(hub / "train-00000-of-00001.parquet"))
+    datasets.Dataset.from_list(rows[7:]).to_parquet(str(hub / "test-00000-of-00001.parquet"))
+    assert rows_of(hub.parent) == rows[:7] and rows_of(hub.parent, "test") == rows[7:]
+    with pytest.raises(SFTError, match="has no split 'validation': its file names make the splits train, test"):
+        rows_of(hub.parent, "validation")
+    write_json(plain / "a.json", rows[:4])
+    write_json(plain / "b.json", rows[4:])
+    assert rows_of(plain) == rows

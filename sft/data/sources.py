@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+from datasets.data_files import DEFAULT_PATTERNS_ALL, DataFilesDict, get_data_patterns
 
 from sft.errors import SFTError
 from sft.models.loading import looks_local
@@ -125,6 +126,7 @@ def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
         raise SFTError(f"Dataset folder {path} holds no {', '.join(FILE_TYPES)} files.")
     if path.is_file() and path.suffix not in FILE_TYPES:  # a folder's files are filtered by type
         raise _unread_type(path)
+    files, split = _split_files(path, files, split)
     kinds = {FILE_TYPES[f.suffix] for f in files}
     if len(kinds) > 1:
         raise SFTError(f"Dataset {path}: use one file type among {', '.join(FILE_TYPES)} (found {sorted(kinds)}).")
@@ -138,6 +140,39 @@ def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
         return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split)
     except Exception as err:  # datasets wraps parse errors in many types; re-scan to say where
         raise SFTError(f"Could not read dataset {path}: {_first_line(err)}") from None
+
+
+def _split_files(path: Path, files: list[Path], split: str) -> tuple[list[Path], str]:
+    """The files of `split` in a folder laid out in splits as `datasets` reads one (train/validation/test, also dev
+    and eval, in file or folder names: train.jsonl beside test.jsonl, a Hub repository's
+    data/test-00000-of-00001.parquet), and the spec selecting their rows ("test[:10]" -> "train[:10]": the chosen
+    files are one split). A folder without split names is one training split. Every file used to be read as
+    training data, so a folder's test and validation rows were trained on, without a word."""
+    if not path.is_dir():
+        return files, split
+    patterns = get_data_patterns(str(path))
+    if patterns == DEFAULT_PATTERNS_ALL:
+        return files, split
+    named = {str(name): {Path(f).resolve() for f in found}
+             for name, found in DataFilesDict.from_patterns(patterns, str(path)).items()}
+    parts = {name: [f for f in files if f.resolve() in found] for name, found in named.items()}
+    parts = {name: part for name, part in parts.items() if part}
+    name = split.partition("[")[0]
+    if name not in parts:
+        raise SFTError(f"Dataset folder {path} has no split {name!r}: its file names make the splits "
+                       f"{', '.join(parts)} (as `datasets` reads a folder). Set the source's `split` to one of them.")
+    if name == "train" and (len(parts) > 1 or len(parts[name]) < len(files)):  # the rows left out were trained
+        log.warning("Dataset folder %s: training on its `train` files (%s); %s. Evaluate on another split with "
+                    "eval_dataset: {path: %s, split: %s}.", path, ", ".join(f.name for f in parts[name]),
+                    _split_listing(files, parts), path, next((o for o in parts if o != name), "test"))
+    return parts[name], "train" + split[len(name):]
+
+
+def _split_listing(files: list[Path], parts: dict[str, list[Path]]) -> str:
+    """The other splits of a folder and the files in none, for the log."""
+    others = [f"{name}: {', '.join(f.name for f in part)}" for name, part in parts.items() if name != "train"]
+    unnamed = [f.name for f in files if not any(f in part for part in parts.values())]
+    return "; ".join(others + ([f"in no split, not read: {', '.join(unnamed)}"] if unnamed else []))
 
 
 def _unread_type(path: Path) -> SFTError:
