@@ -58,8 +58,9 @@ def _parse_source(item: Any, key: str) -> Source:
     if unknown:
         raise SFTError(f"Unknown key `{unknown[0]}` in a `{key}` source; valid keys: {', '.join(SOURCE_KEYS)}.")
     columns = item.get("columns") or {}
-    if not isinstance(columns, dict):
-        raise SFTError(f"`columns` of source {item['path']} must map dataset columns to expected names.")
+    if not isinstance(columns, dict) or not all(isinstance(n, str) and n for pair in columns.items() for n in pair):
+        raise SFTError(f"`columns` of source {item['path']} must map dataset columns to expected names (text to "
+                       f"text, e.g. {{question: instruction}}), got {columns!r}.")
     weight = item.get("weight", 1.0)
     if not isinstance(weight, (int, float)) or weight <= 0:
         raise SFTError(f"`weight` of source {item['path']} must be a positive number, got {weight!r}.")
@@ -326,6 +327,20 @@ def rename_columns(ds: datasets.Dataset, source: Source) -> datasets.Dataset:
     if missing:
         raise SFTError(f"Dataset {source.label}: `columns` maps {missing[0]!r}, which is not a column "
                        f"(columns: {', '.join(ds.column_names)}).")
+    targets = list(source.columns.values())
+    twice = next((t for t in targets if targets.count(t) > 1), None)
+    if twice:
+        names = ", ".join(repr(c) for c, t in source.columns.items() if t == twice)
+        raise SFTError(f"Dataset {source.label}: `columns` maps {names} all to {twice!r}; a name takes one column. "
+                       "Keep one of them in `columns`.")
+    # A target the data already has, not itself renamed away, would be a second column of that name (datasets
+    # makes one, and reading it failed later with an Arrow traceback).
+    kept = [c for c in ds.column_names if c not in source.columns]
+    clash = next(((c, t) for c, t in source.columns.items() if t in kept and t != c), None)
+    if clash:
+        raise SFTError(f"Dataset {source.label}: `columns` maps {clash[0]!r} to {clash[1]!r}, a column the data "
+                       f"already has. Rename that one too, e.g. `columns: {{{clash[0]}: {clash[1]}, {clash[1]}: "
+                       f"{clash[1]}_original}}`.")
     return ds.rename_columns(source.columns) if source.columns else ds
 
 
