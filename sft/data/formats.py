@@ -106,8 +106,18 @@ def field_text(row: dict, name: str, where: str, row_number: int, required: bool
     return value
 
 
+# Columns of LLaMA-Factory's alpaca format that Stanford's template cannot hold: refused, not dropped.
+ALPACA_UNUSED = {"system": "the system prompt", "history": "the earlier turns"}
+
+
 def render_alpaca(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
     """Stanford Alpaca: the prompt template, then the output; the output (and EOS) are trained."""
+    unused = next((name for name in ALPACA_UNUSED if row.get(name)), None)
+    if unused:
+        raise SFTError(f"Dataset {where}, row {row_number}: field `{unused}` is set, and Stanford Alpaca's prompt has "
+                       f"no place for it: {ALPACA_UNUSED[unused]} would be dropped without a word. Save such rows as "
+                       "`messages` (system, earlier user/assistant turns, then the instruction and its output), or "
+                       f"train without it: `columns: {{{unused}: unused_{unused}}}` in the source.")
     instruction = field_text(row, "instruction", where, row_number)
     extra = field_text(row, "input", where, row_number, required=False)
     output = field_text(row, "output", where, row_number)
