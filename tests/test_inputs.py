@@ -257,3 +257,19 @@ def test_a_folder_of_split_files_trains_on_its_train_split_only(tmp_path, caplog
     write_json(plain / "a.json", rows[:4])
     write_json(plain / "b.json", rows[4:])
     assert rows_of(plain) == rows
+
+
+def test_csv_cells_are_the_text_written(tmp_path):
+    """pandas reads "NA", "N/A", "None", "null" and "nan" cells as missing: an Alpaca input "NA" became None and the
+    row trained with the no-input prompt, an answer "None" was refused as missing. Each cell is its text; an empty
+    cell is empty text (the no-input prompt, as in a JSON file with "input": "")."""
+    csv = tmp_path / "data.csv"
+    csv.write_text("instruction,input,output\nWhat does f return?,def f(): pass,None\nTranslate the code,NA,N/A\n"
+                   "Say hi,,hi\n", encoding="utf-8")
+    assert rows_of(csv) == [{"instruction": "What does f return?", "input": "def f(): pass", "output": "None"},
+                            {"instruction": "Translate the code", "input": "NA", "output": "N/A"},
+                            {"instruction": "Say hi", "input": "", "output": "hi"}]
+    config = load_recipe({"model_name_or_path": str(EMBEDDED_MODEL), "dataset": str(csv)})
+    tokenizer = load_tokenizer(config)
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in build_datasets(config, tokenizer)[0]["input_ids"]]
+    assert "### Input:\nNA\n\n### Response:N/A" in texts[1] and "### Input:" not in texts[2]

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 # Columns a row of some format holds as a list of objects: a file with one such object is one row, not a wrapper.
 ROW_KEYS = ("messages", "conversations", "prompt", "completion", "chosen", "rejected", "tools", "images")
 SOURCE_KEYS = ("path", "split", "columns", "weight", "name", "data_dir")
+# A CSV cell is text as written: pandas reads "NA", "N/A", "None", "null", "nan" (and more) as missing by default, so
+# an Alpaca input "NA" trained with the no-input prompt and an answer "None" was "missing". Empty cells read as "".
+READ_OPTIONS = {"csv": {"keep_default_na": False}}
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".7z")  # read by none of sft's loaders
 
 
@@ -138,7 +141,8 @@ def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
                                   in zip(files, parsed)], split)
     try:
         # Local files form one "train" split; slices such as "train[:64]" or "train[10%:]" select rows of it.
-        return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split)
+        return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split,
+                                     **READ_OPTIONS.get(kind, {}))
     except Exception as err:  # datasets wraps parse errors in many types; re-scan to say where
         raise SFTError(f"Could not read dataset {path}: {_first_line(err)}") from None
 
