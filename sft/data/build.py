@@ -226,6 +226,11 @@ def trained_examples(tokenized: datasets.Dataset) -> datasets.Dataset:
 def combine(parts: list[Tokenized], config: SFTConfig) -> Prepared:
     """Sources weighted and concatenated, with their counts summed over each source's examples before weighting."""
     weighted = [repeat_by_weight(part.examples, part.source.weight, config.seed) for part in parts]
+    gone = next((part for part, data in zip(parts, weighted) if len(part.examples) and not len(data)), None)
+    if gone:  # a source the recipe names must not vanish from the mix without a word
+        raise SFTError(f"Dataset {gone.source.label}: weight {gone.source.weight:g} keeps none of its "
+                       f"{len(gone.examples)} examples (it keeps round(weight x examples)). Raise the weight to 1/"
+                       f"{len(gone.examples)} or more, or remove the source.")
     dataset = datasets.concatenate_datasets(weighted) if len(weighted) > 1 else weighted[0]
     if len(dataset) == 0:
         raise SFTError(f"No rows left in {', '.join(part.source.label for part in parts)}: every row was dropped (no "
