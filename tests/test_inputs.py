@@ -273,3 +273,26 @@ def test_csv_cells_are_the_text_written(tmp_path):
     tokenizer = load_tokenizer(config)
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in build_datasets(config, tokenizer)[0]["input_ids"]]
     assert "### Input:\nNA\n\n### Response:N/A" in texts[1] and "### Input:" not in texts[2]
+
+
+def test_eval_rows_that_are_also_training_rows_are_counted_in_a_warning(tmp_path, caplog):
+    """Data holding a row more than once puts copies on both sides of eval_split_size (LLaMA-Factory's glaive demo:
+    5 of the 30 held-out rows were training rows), and an eval_dataset may share rows with the training data: eval
+    loss on them measures recall. Nothing said so; a warning counts them, exactly."""
+    rows = json.loads(ALPACA.read_text())[:30] + [json.loads(ALPACA.read_text())[0]] * 10
+    data = write_json(tmp_path / "data.json", rows)
+    with caplog.at_level(logging.WARNING, logger="sft.data.build"):
+        train, evaluation = build_datasets(load_recipe(data_keys(tmp_path, str(data), eval_split_size=0.5, seed=1)))
+    trained = set(map(tuple, train["input_ids"]))
+    seen = sum(tuple(ids) in trained for ids in evaluation["input_ids"])
+    assert 0 < seen < len(evaluation) == 20
+    assert f"Eval data: {seen} of 20 rows are also training rows (the same tokens)" in caplog.text
+    caplog.clear()
+    other = write_json(tmp_path / "other.json", rows[20:25] + [{"instruction": "Say hi", "output": "hi"}])
+    with caplog.at_level(logging.WARNING, logger="sft.data.build"):
+        build_datasets(load_recipe(data_keys(tmp_path, str(data), eval_dataset=str(other))))
+    assert "Eval data: 5 of 6 rows are also training rows" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sft.data.build"):
+        build_datasets(load_recipe(data_keys(tmp_path, str(ALPACA), eval_split_size=0.1)))
+    assert "training rows" not in caplog.text  # 400 distinct rows: none on both sides
