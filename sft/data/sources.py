@@ -212,6 +212,12 @@ def _check_file(path: Path, kind: str) -> list[dict] | None:
         line = data[: err.start].count(b"\n") + 1
         raise SFTError(f"Dataset file {path}, line {line}: bytes that are not UTF-8 ({err.reason}). "
                        "Re-save the file as UTF-8.") from None
+    if kind == "text":  # `datasets` makes each line a row: a blank one was refused as "row N: field `text` is empty"
+        blank = next((n for n, line in enumerate(text.splitlines(), 1) if not line.strip()), None)
+        if blank:
+            raise SFTError(f"Dataset file {path}, line {blank} is blank: sft reads a .txt file as one example per line, "
+                           "and a blank line is an empty example. Remove the blank lines (one document per line), or "
+                           "save documents that span lines as JSON Lines, one {\"text\": ...} per document.")
     if kind != "json":
         return None
     if text.lstrip().startswith("{"):
