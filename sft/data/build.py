@@ -23,6 +23,7 @@ from sft.data.formats import (
     AnswerStops,
     Rendered,
     check_columns,
+    check_one_format,
     check_sft_data,
     default_completion_only,
     detect_format,
@@ -172,6 +173,7 @@ def tokenize_source(source: Source, build: Build, packed: bool) -> Tokenized:
     check_sft_data(raw.column_names, raw[0], source.label)  # DPO/KTO/image rows are refused, not half-trained
     config = build.config
     fmt = resolve_format(config, raw.column_names, source.label)
+    check_one_format(raw, fmt, source.label)
     # Decided per source: in `[text.jsonl, alpaca.json]` the text is trained whole, the Alpaca prompts are not.
     decided = SourceFormat(source.label, fmt, default_completion_only(fmt) if config.completion_only_loss is None
                            else config.completion_only_loss)

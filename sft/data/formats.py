@@ -4,6 +4,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from sft.errors import SFTError
 
 # Stanford Alpaca's prompt templates, verbatim (tatsu-lab/stanford_alpaca train.py).
@@ -52,6 +54,27 @@ def detect_format(columns: list[str], where: str) -> str:
     raise SFTError(f"Dataset {where}: cannot tell its format from columns {columns}. Expected one of: "
                    + "; ".join(f"{name} ({', '.join(cols)})" for name, cols in REQUIRED_COLUMNS.items())
                    + _rename_hint(columns) + ". Or set `dataset_format`.")
+
+
+def check_one_format(raw: Any, fmt: str, where: str) -> None:
+    """Refuse a source whose rows are in several formats, naming a row of each. The columns are the union of every
+    row's keys, so one chat row among Alpaca rows made the whole file `messages`, and the error named row 1 (an
+    Alpaca row: "no chat column"), not the stray row. A row of `fmt` holds one of its columns (any chat column for
+    chat formats, whose rows may mix them); rows that miss only some are left to the renderers' field errors."""
+    needed = ("messages", "conversations", "prompt") if fmt in CHAT_FORMATS else REQUIRED_COLUMNS[fmt]
+    table = raw.select_columns([c for c in needed if c in raw.column_names]).with_format("arrow")[:]
+    other = np.logical_and.reduce([column.is_null().to_numpy(zero_copy_only=False) for column in table.columns])
+    if not other.any():
+        return
+    row, ours = int(np.flatnonzero(other)[0]), np.flatnonzero(~other)
+    keys = [key for key, value in raw[row].items() if value is not None]
+    try:
+        theirs = detect_format(keys, where)
+    except SFTError:
+        theirs = f"in no format (keys {', '.join(keys)})"
+    mine = f"row {int(ours[0]) + 1} is {fmt}, " if ours.size else ""
+    raise SFTError(f"Dataset {where} mixes formats: {mine}row {row + 1} is {theirs}. A source is read in one format: "
+                   "save each format's rows in a file of their own and list the files under `dataset`.")
 
 
 IMAGE_COLUMNS = ("images", "image", "image_url", "pixel_values", "videos", "audios")
