@@ -109,9 +109,18 @@ class ChatRenderer:
         text = self._render([m.data for m in messages], tools, False, ctx)
         trained = self._trained_turns(messages)
         if not self.assistant_only_loss:
-            return [self._whole_text(messages, tools, text, trained, ctx)]
-        turns = {i: self._turn(messages, tools, i, text, ctx) for i in sorted(trained)}
-        return self._examples(messages, turns, text, ctx)
+            examples = [self._whole_text(messages, tools, text, trained, ctx)]
+        else:
+            turns = {i: self._turn(messages, tools, i, text, ctx) for i in sorted(trained)}
+            examples = self._examples(messages, turns, text, ctx)
+        # After the turns, whose tool-call check names the message. Zephyr's template (TinyLlama's) ignores `tools`:
+        # a row's answers ("I can only create calendar events") trained without the tool list it is given.
+        unseen = [t["function"].get("name") for t in tools or [] if str(t["function"].get("name")) not in text]
+        if unseen:
+            raise ctx.error(f"the chat template does not render the row's `tools` (no {unseen[0]!r} in its text), so "
+                            "the model would learn these answers without the tool list it is given", "Use a template "
+                            "with a tool format (the model's own, if it has one), or drop the `tools` column.", "tools")
+        return examples
 
     def _examples(self, messages: list[Message], turns: dict[int, _Turn], text: str, ctx: Row) -> list[Rendered]:
         """Turns that render inside the whole conversation share one example; the others follow `history`."""
