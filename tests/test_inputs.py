@@ -286,13 +286,13 @@ def test_eval_rows_that_are_also_training_rows_are_counted_in_a_warning(tmp_path
     trained = set(map(tuple, train["input_ids"]))
     seen = sum(tuple(ids) in trained for ids in evaluation["input_ids"])
     assert 0 < seen < len(evaluation) == 20
-    assert f"Eval data: {seen} of 20 rows are also training rows (the same tokens)" in caplog.text
+    assert f"The training data holds {seen} of the 20 eval rows (the same tokens)" in caplog.text
     caplog.clear()
     other = write_json(tmp_path / "other.json", rows[20:25] + [{"instruction": "Say hi", "output": "hi"}])
     with caplog.at_level(logging.WARNING, logger="sft.data.build"):
         build_datasets(load_recipe(data_keys(tmp_path, str(data), eval_dataset=str(other))))
-    assert "Eval data: 5 of 6 rows are also training rows" in caplog.text
+    assert "The training data holds 5 of the 6 eval rows" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="sft.data.build"):
         build_datasets(load_recipe(data_keys(tmp_path, str(ALPACA), eval_split_size=0.1)))
-    assert "training rows" not in caplog.text  # 400 distinct rows: none on both sides
+    assert "eval rows" not in caplog.text  # 400 distinct rows: none on both sides

@@ -279,7 +279,7 @@ def warn_seen_eval_rows(train: list[Tokenized], evaluation: list[Tokenized]) -> 
     rows = sum(len(np.unique(column_values(part.examples, ROW)[both])) for part, both in held)
     if rows:
         total = sum(len(np.unique(column_values(part.examples, ROW))) for part in evaluation)
-        log.warning("Eval data: %d of %d rows are also training rows (the same tokens), so eval loss partly measures "
+        log.warning("The training data holds %d of the %d eval rows (the same tokens), so eval loss partly measures "
                     "recall. Deduplicate the data to evaluate on rows not trained on.", rows, total)
 
 
