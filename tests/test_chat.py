@@ -332,6 +332,43 @@ def test_sharegpt_roles_and_format_detection(chatml_tok):
     assert [rendered.text[s:e] for s, e in rendered.spans] == ["Hello.<|im_end|>"]
 
 
+@needs_fixtures
+def test_system_column_is_rendered_or_refused_never_dropped():
+    """A `system` column opens the conversation, agrees with an opening system message, or is refused: beside a
+    different opening system message it was dropped without a word (FastChat's rows, Qwen2.5's template)."""
+    turns = json.loads((FIXTURES / "datasets" / "chat" / "fastchat_dummy_conversation.json").read_text())[0]
+    turns = turns["conversations"]
+    renderer = ChatRenderer(fixture_tokenizer("qwen2.5-coder-3b-instruct"))
+    column = "Answer in French."
+    for opening in ([], [{"from": "system", "value": column}]):  # prepended; the same prompt given twice
+        rendered = only(renderer.render_row({"system": column, "conversations": opening + turns}, "x", 1))
+        assert rendered.text.startswith(f"<|im_start|>system\n{column}<|im_end|>\n<|im_start|>user\nWho are you?")
+    two = {"system": column, "conversations": [{"from": "system", "value": "You are terse."}, *turns]}
+    with pytest.raises(SFTError, match=r"row 7, system: the `system` column and conversations\[0\], a system message, "
+                       r"give two different system prompts.*columns: \{system: unused_system\}"):
+        renderer.render_row(two, "x", 7)
+    with pytest.raises(SFTError, match="row 7, system: `system` is a list, not a string"):
+        renderer.render_row({"system": [column], "conversations": turns}, "x", 7)
+
+
+def test_system_column_beside_a_text_prompt_is_refused(chatml_tok):
+    """Plain formats have no place for a `system` column: refused, naming the row and the fix; a conversational
+    prompt/completion row renders it as its system message."""
+    render = row_renderer("prompt_completion", True, ChatRenderer(chatml_tok, "chatml"))
+    row = {"prompt": "Say hi.", "completion": "hi", "system": SYSTEM}
+    with pytest.raises(SFTError, match=r"row 3: field `system` is set, and a prompt/completion row whose `prompt` is "
+                       r"text has no place for it: the system prompt would be dropped without a word. Write `prompt` "
+                       r"and `completion` as message lists"):
+        render(row, "x", 3)
+    listed = {"prompt": [{"role": "user", "content": "Say hi."}], "completion": [{"role": "assistant", "content": "hi"}],
+              "system": SYSTEM}
+    assert only(render(listed, "x", 3)).text.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>")
+    for fmt, fields in (("text", {"text": "hi"}), ("seq2seq", {"source": "a", "target": "b"})):
+        with pytest.raises(SFTError, match="row 3: field `system` is set"):
+            row_renderer(fmt, True)({**fields, "system": SYSTEM}, "x", 3)
+    assert row_renderer("text", False)({"text": "hi", "system": ""}, "x", 3).text == "hi"  # an empty one is no prompt
+
+
 def test_template_that_trims_content(chatml_tok):
     trimming = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

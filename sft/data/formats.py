@@ -129,18 +129,36 @@ def field_text(row: dict, name: str, where: str, row_number: int, required: bool
     return value
 
 
-# Columns of LLaMA-Factory's alpaca format that Stanford's template cannot hold: refused, not dropped.
-ALPACA_UNUSED = {"system": "the system prompt", "history": "the earlier turns"}
+# Columns a plain format has no place for: refused, not dropped. LLaMA-Factory's alpaca rows carry `system` and
+# `history`; a `system` beside a text prompt (or source, or text) would otherwise vanish too. Chat rows, conversational
+# prompt/completion ones included, render `system` as their system message (sft.data.messages.conversation).
+UNUSED_COLUMNS = {"system": "the system prompt", "history": "the earlier turns"}
+HISTORY_FORMATS = ("alpaca",)  # LLaMA-Factory's; in other formats a `history` column is not known to be turns
+PLACES = {  # per plain format: what has no place for them, and how to keep them
+    "alpaca": ("Stanford Alpaca's prompt", "Save such rows as `messages` (system, earlier user/assistant turns, then "
+               "the instruction and its output)"),
+    "prompt_completion": ("a prompt/completion row whose `prompt` is text", "Write `prompt` and `completion` as "
+                          "message lists ([{role: system, ...}, {role: user, ...}] and [{role: assistant, ...}]), "
+                          "so that the chat template renders it, or write it into the prompt text"),
+    "seq2seq": ("a source/target pair", "Write it into the `source` text"),
+    "text": ("plain text", "Write it into the `text`"),
+}
+
+
+def refuse_unused(row: dict, fmt: str, where: str, row_number: int) -> None:
+    """Refuse a row of plain format `fmt` that sets a column the format cannot hold (UNUSED_COLUMNS)."""
+    unused = next((name for name in UNUSED_COLUMNS if row.get(name)
+                   and (name != "history" or fmt in HISTORY_FORMATS)), None)
+    if unused:
+        place, fix = PLACES[fmt]
+        raise SFTError(f"Dataset {where}, row {row_number}: field `{unused}` is set, and {place} has no place for it: "
+                       f"{UNUSED_COLUMNS[unused]} would be dropped without a word. {fix}, or train without it: "
+                       f"`columns: {{{unused}: unused_{unused}}}` in the source.")
 
 
 def render_alpaca(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
     """Stanford Alpaca: the prompt template, then the output; the output (and EOS) are trained."""
-    unused = next((name for name in ALPACA_UNUSED if row.get(name)), None)
-    if unused:
-        raise SFTError(f"Dataset {where}, row {row_number}: field `{unused}` is set, and Stanford Alpaca's prompt has "
-                       f"no place for it: {ALPACA_UNUSED[unused]} would be dropped without a word. Save such rows as "
-                       "`messages` (system, earlier user/assistant turns, then the instruction and its output), or "
-                       f"train without it: `columns: {{{unused}: unused_{unused}}}` in the source.")
+    refuse_unused(row, "alpaca", where, row_number)
     instruction = field_text(row, "instruction", where, row_number)
     extra = field_text(row, "input", where, row_number, required=False)
     output = field_text(row, "output", where, row_number)
@@ -151,6 +169,7 @@ def render_alpaca(row: dict, where: str, row_number: int, completion_only: bool)
 
 def render_prompt_completion(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
     """Prompt followed directly by completion; the completion (and EOS) are trained."""
+    refuse_unused(row, "prompt_completion", where, row_number)
     prompt = field_text(row, "prompt", where, row_number, required=False)
     completion = field_text(row, "completion", where, row_number)
     return _prompt_completion(prompt, completion, completion_only)
@@ -161,12 +180,14 @@ def render_seq2seq(row: dict, where: str, row_number: int, completion_only: bool
 
     Encoder-decoder models encode the two sides separately (sft.data.seq2seq) and never see this newline.
     """
+    refuse_unused(row, "seq2seq", where, row_number)
     source = field_text(row, "source", where, row_number)
     return _prompt_completion(source + "\n", field_text(row, "target", where, row_number), completion_only)
 
 
 def render_text(row: dict, where: str, row_number: int, completion_only: bool) -> Rendered:
     """Plain text, all trained."""
+    refuse_unused(row, "text", where, row_number)
     text = field_text(row, "text", where, row_number)
     return Rendered(text, [(0, len(text))])
 

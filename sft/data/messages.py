@@ -53,11 +53,33 @@ class Message:
 def conversation(row: dict, ctx: Row) -> tuple[list[Message], list[dict] | None]:
     """The row's messages (normalised and validated, its `system` column first) and its tool list."""
     messages = _row_messages(row, ctx)
-    system = row.get("system")
-    if isinstance(system, str) and system.strip() and not (messages and messages[0].role == "system"):
+    system = _system_column(row.get("system"), messages, ctx)
+    if system:
         messages.insert(0, Message({"role": "system", "content": system}, False, "system"))
     _validate(messages, ctx)
     return messages, _tools(row.get("tools"), ctx)
+
+
+def _system_column(value: Any, messages: list[Message], ctx: Row) -> str | None:
+    """The `system` column's text to open the conversation with; None when unset, or when the messages open with the
+    same system prompt. One that differs from theirs is refused: a template renders one system prompt, and the
+    column used to be dropped without a word."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ctx.error(f"`system` is a {type(value).__name__}, not a string", "Store the system prompt as text.",
+                        "system")
+    if not value.strip():
+        return None
+    opening = messages[0] if messages and messages[0].role == "system" else None
+    if opening is None:
+        return value
+    if opening.data["content"].strip() != value.strip():
+        raise ctx.error(f"the `system` column and {opening.label}, a system message, give two different system "
+                        "prompts, and a conversation has one", "Keep one of them: remove the row's opening system "
+                        "message, or train without the column: `columns: {system: unused_system}` in the source.",
+                        "system")
+    return None
 
 
 def _row_messages(row: dict, ctx: Row) -> list[Message]:

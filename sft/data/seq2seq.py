@@ -7,7 +7,7 @@ completion-only: the text before the trained span is the source, the span is the
 from typing import Callable
 
 from sft.data.encode import Encoding
-from sft.data.formats import RENDERERS, Rendered, field_text
+from sft.data.formats import RENDERERS, Rendered, field_text, refuse_unused
 from sft.errors import SFTError
 
 SEQ2SEQ_FORMATS = ("seq2seq", "prompt_completion", "alpaca")
@@ -15,6 +15,7 @@ SEQ2SEQ_FORMATS = ("seq2seq", "prompt_completion", "alpaca")
 
 def render_pair(row: dict, where: str, row_number: int) -> Rendered:
     """A seq2seq row as source text followed by the trained target text (no separator: they are split again)."""
+    refuse_unused(row, "seq2seq", where, row_number)
     source = field_text(row, "source", where, row_number)
     target = field_text(row, "target", where, row_number)
     return Rendered(source + target, [(len(source), len(source) + len(target))])
