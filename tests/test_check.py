@@ -149,6 +149,30 @@ def test_another_familys_tokenizer_fails_check(tmp_path, tokenizer, model, probl
     assert problem in str(err.value)
 
 
+@pytest.mark.skipif(not TOKENIZERS.is_dir(), reason=f"real tokenizers not found at {TOKENIZERS} (set SFT_FIXTURES)")
+def test_check_runs_rows_longer_than_its_old_cap(tmp_path, caplog):
+    """sft check capped max_length at 256: every glaive tool row under Hermes-3's tool_use template (283 to 748
+    tokens before the first answer) was dropped, and the check told the user to raise the max_length of 2048 they had
+    set. The cap is now the tiny stand-in's 1024 positions, logged when it applies."""
+    import json
+
+    from sft.check.smoke import tiny_recipe
+    from sft.data.build import prepare_splits
+    from sft.training.recipe import load_recipe
+
+    rows = json.loads((FIXTURES / "datasets" / "chat" / "llamafactory_glaive_toolcall_en_demo.json").read_text())
+    data = tmp_path / "tool_rows.json"
+    data.write_text(json.dumps([row for row in rows if row["tools"] not in ("", "[]")]))
+    recipe = {"model_name_or_path": "Qwen/Qwen2.5-7B", "tokenizer_name_or_path": str(TOKENIZERS / "qwen2.5-coder-3b-"
+              "instruct"), "chat_template": str(REPO / "tests" / "templates" / "hermes_3_tool_use.jinja"),
+              "dataset": str(data), "max_length": 2048, "output_dir": str(tmp_path / "run")}
+    _, values, _ = tiny_recipe(recipe, None, tmp_path)
+    train, evaluation = prepare_splits(load_recipe(values))
+    # 64 rows, 8 held out; `history: split` makes an example of each answer
+    assert (len(train.dataset), len(evaluation.dataset), train.dropped_rows, train.truncated_rows) == (125, 17, 0, 0)
+    assert values["max_length"] == 1024 and "max_length=2048 is capped at 1024" in caplog.text
+
+
 def test_a_tokenizer_under_half_the_models_rows_warns_in_train(caplog):
     """sft train warned only for a tokenizer larger than the model; one from a smaller vocabulary (Llama 2's on
     Llama 3) trained silently with every id naming another token's embedding."""
