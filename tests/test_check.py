@@ -155,6 +155,7 @@ def test_check_runs_rows_longer_than_its_old_cap(tmp_path, caplog):
     tokens before the first answer) was dropped, and the check told the user to raise the max_length of 2048 they had
     set. The cap is now the tiny stand-in's 1024 positions, logged when it applies."""
     import json
+    import logging
 
     from sft.check.smoke import tiny_recipe
     from sft.data.build import prepare_splits
@@ -166,7 +167,8 @@ def test_check_runs_rows_longer_than_its_old_cap(tmp_path, caplog):
     recipe = {"model_name_or_path": "Qwen/Qwen2.5-7B", "tokenizer_name_or_path": str(TOKENIZERS / "qwen2.5-coder-3b-"
               "instruct"), "chat_template": str(REPO / "tests" / "templates" / "hermes_3_tool_use.jinja"),
               "dataset": str(data), "max_length": 2048, "output_dir": str(tmp_path / "run")}
-    _, values, _ = tiny_recipe(recipe, None, tmp_path)
+    with caplog.at_level(logging.INFO, logger="sft.check.smoke"):
+        _, values, _ = tiny_recipe(recipe, None, tmp_path)
     train, evaluation = prepare_splits(load_recipe(values))
     # 64 rows, 8 held out; `history: split` makes an example of each answer
     assert (len(train.dataset), len(evaluation.dataset), train.dropped_rows, train.truncated_rows) == (125, 17, 0, 0)

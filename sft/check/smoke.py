@@ -147,9 +147,9 @@ def capped_max_length(config: SFTConfig) -> int:
     are cut or dropped here and not by `sft train` (an error about max_length then is about the cap)."""
     if config.max_length <= CHECK_MAX_LENGTH:
         return config.max_length
-    log.warning("sft check: max_length=%d is capped at %d here, the positions of the tiny stand-in model; rows longer "
-                "than that are cut here (or dropped when no answer token fits), not by `sft train`. `sft data RECIPE` "
-                "reports them at the recipe's max_length.", config.max_length, CHECK_MAX_LENGTH)
+    log.info("sft check: max_length=%d is capped at %d here, the positions of the tiny stand-in model; rows longer "
+             "than that are cut here (or dropped when no answer token fits), not by `sft train`. `sft data RECIPE` "
+             "reports them at the recipe's max_length.", config.max_length, CHECK_MAX_LENGTH)
     return CHECK_MAX_LENGTH
 
 
