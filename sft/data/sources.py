@@ -64,11 +64,24 @@ def _parse_source(item: Any, key: str) -> Source:
     if not isinstance(columns, dict) or not all(isinstance(n, str) and n for pair in columns.items() for n in pair):
         raise SFTError(f"`columns` of source {item['path']} must map dataset columns to expected names (text to "
                        f"text, e.g. {{question: instruction}}), got {columns!r}.")
-    weight = item.get("weight", 1.0)
-    if not isinstance(weight, (int, float)) or weight <= 0:
-        raise SFTError(f"`weight` of source {item['path']} must be a positive number, got {weight!r}.")
+    weight = _weight(item.get("weight", 1.0), item["path"], key)
     return Source(str(item["path"]), str(item.get("split", "train")), columns, float(weight),
                   item.get("name"), item.get("data_dir"))
+
+
+def _weight(weight: Any, path: Any, key: str) -> float:
+    """A source's weight: a positive number (a YAML `true` is a boolean, read as 1 by Python, so it is refused), and
+    1 for eval sources: eval scores each row once, as it does held-out rows, where a weight dropped rows (0.5) or
+    repeated them in eval loss and predictions.jsonl (2)."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
+        kind = " (a YAML boolean)" if isinstance(weight, bool) else ""
+        raise SFTError(f"`weight` of source {path} must be a positive number, got {weight!r}{kind}. Write a number, "
+                       "e.g. weight: 2 to repeat the source twice, or weight: 0.5 for half of its rows.")
+    if key == "eval_dataset" and weight != 1:
+        raise SFTError(f"`weight` of eval_dataset source {path} is {weight:g}: eval scores each row once, so a weight "
+                       "would drop or repeat eval rows. Remove it; to evaluate on part of the source, set its `split` "
+                       "(e.g. split: train[:50%]).")
+    return float(weight)
 
 
 def load_source(source: Source) -> datasets.Dataset:
