@@ -222,6 +222,36 @@ def test_qlora_merge_dequantizes_the_base_it_trained_on(qlora_run, tmp_path):
         assert (adapter(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() < 1e-4
 
 
+def test_qlora_adapter_loads_on_the_base_quantized_from_the_runs_dtype(tmp_path, tokenizer):
+    """bitsandbytes quantizes weights in the dtype they load in: a float32 checkpoint trained with dtype bfloat16 was
+    merged (and generated) on a base quantized from float32 (the default dtype, auto), whose 4-bit codes differ for
+    ~0.5% of the weights (3512 of 786432 in the quickstart tiny Llama, up to 22% of a layer's largest weight)."""
+    import bitsandbytes as bnb
+
+    base = tmp_path / "base"
+    make_llama64(len(tokenizer)).save_pretrained(base)  # float32 on disk
+    tokenizer.save_pretrained(base)
+    run = run_adapter(base, tmp_path / "run", load_in_4bit=True, max_steps=1, dtype="bfloat16")
+    trained = AutoModelForCausalLM.from_pretrained(  # the base as sft train loaded it: dtype bfloat16, then quantized
+        base, dtype=torch.bfloat16, device_map={"": "cpu"}, quantization_config=run_quantization(run)["quantization_config"])
+    codes = {n: m.weight.data for n, m in trained.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    adapter, _ = load_for_inference(run, device="cpu")  # sft generate / chat
+    layers = {n: m for n, m in adapter.base_model.model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert [n.removesuffix(".base_layer") for n in layers] == list(codes)
+    assert all(torch.equal(m.weight.data, codes[n.removesuffix(".base_layer")]) for n, m in layers.items())
+    assert main(["merge", str(run), str(tmp_path / "merged")]) == 0
+    merged = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "merged").named_parameters())
+    assert merged["model.embed_tokens.weight"].dtype == torch.float32  # auto: the dtype the base is saved in
+    far = 0
+    for name, module in adapter.base_model.model.named_modules():
+        if isinstance(getattr(module, "base_layer", None), bnb.nn.Linear4bit):
+            state = module.base_layer.weight
+            expected = bnb.functional.dequantize_4bit(state.data, state.quant_state).float() + module.get_delta_weight(
+                "default").float()
+            far += ((merged[f"{name}.weight"] - expected).abs() > 0.02 * expected.abs().max()).sum().item()
+    assert far == 0  # bfloat16 dequantization rounds by 0.4% at most; another 4-bit code is a step of 2% or more
+
+
 def test_a_killed_qlora_runs_checkpoint_loads_on_the_4bit_base(tmp_path, tokenizer, monkeypatch):
     """recipe.yaml and data_stats.json were written at the end of a run only: a checkpoint of a QLoRA run killed
     before it was merged (and generated) on the full-precision base, not the 4-bit one its adapter trained on."""

@@ -112,9 +112,19 @@ def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, b
     log.info("Loading the base model %s for the adapter in %s", name, folder)
     base = load_pretrained(name, dtype, device, run_quantization(folder), origin, hint)
     if dequantize and is_quantized(base):
-        base = base.dequantize(dtype=DTYPES.get(dtype))
+        # loaded in the run's dtype (run_quantization); auto still means the dtype the base is saved in
+        target = DTYPES.get(dtype) or saved_dtype(name)
+        base = base.dequantize(dtype=target)
+        if target is not None:
+            base = base.to(target)  # dequantize casts the quantized layers only, not norms and embeddings
     fit_embeddings(base, tokenizer, adapter_embedding_rows(base, tokenizer, folder))  # as the run grew it
     return load_saved_adapter(base, folder, base_origin=origin)
+
+
+def saved_dtype(name: str) -> torch.dtype | None:
+    """The dtype model `name`'s weights are saved in (its config's), or None when the config names none."""
+    saved = AutoConfig.from_pretrained(name, local_files_only=local_files_only(name)).dtype
+    return DTYPES.get(saved) if isinstance(saved, str) else saved
 
 
 def load_pretrained(name: str, dtype: str, device: str, quantization: dict | None = None, origin: str = "",
@@ -123,8 +133,9 @@ def load_pretrained(name: str, dtype: str, device: str, quantization: dict | Non
     loaded, where `name` came from (`origin`) and, when its files could not be found or fetched, `unreachable_hint`."""
     try:
         auto = auto_model_class(AutoConfig.from_pretrained(name, local_files_only=local_files_only(name)))
-        return auto.from_pretrained(name, dtype=DTYPES.get(dtype, "auto"), device_map={"": device},
-                                    local_files_only=local_files_only(name), **(quantization or {}))
+        # a quantized base loads in the dtype its run loaded it in (quantization["dtype"]): it decides the 4-bit codes
+        settings = {"dtype": DTYPES.get(dtype, "auto"), **(quantization or {})}
+        return auto.from_pretrained(name, device_map={"": device}, local_files_only=local_files_only(name), **settings)
     except (OSError, ValueError) as err:
         # A ValueError is a model transformers cannot build (e.g. an unknown architecture): no path or network check
         # would fix it, so it gets no such hint.
