@@ -252,6 +252,24 @@ def test_qlora_adapter_loads_on_the_base_quantized_from_the_runs_dtype(tmp_path,
     assert far == 0  # bfloat16 dequantization rounds by 0.4% at most; another 4-bit code is a step of 2% or more
 
 
+def test_qdora_adapter_generates_what_its_merge_does(tmp_path, tokenizer):
+    """On CPUs with AVX512-BF16 bitsandbytes repacks 4-bit weights at the first eval-mode forward, and peft's DoRA
+    read the repacked bytes as NF4 for its weight norms: `sft generate` of a QDoRA run computed logits off by up to
+    7.9 (the adapter moves them by 12). Elsewhere nothing is repacked and this passes either way."""
+    base = tmp_path / "base"
+    make_llama64(len(tokenizer)).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    run = run_adapter(base, tmp_path / "run", load_in_4bit=True, use_dora=True, max_steps=2)
+    assert main(["merge", str(run), str(tmp_path / "merged")]) == 0
+    adapter, _ = load_for_inference(run, device="cpu")  # eval mode, as sft generate / chat run it
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ids = IDS.clamp(max=399)
+    with torch.no_grad():
+        first, again = adapter(input_ids=ids).logits, adapter(input_ids=ids).logits
+        assert (first - merged(input_ids=ids).logits).abs().max() < 1e-4
+        assert torch.equal(first, again)
+
+
 def test_a_killed_qlora_runs_checkpoint_loads_on_the_4bit_base(tmp_path, tokenizer, monkeypatch):
     """recipe.yaml and data_stats.json were written at the end of a run only: a checkpoint of a QLoRA run killed
     before it was merged (and generated) on the full-precision base, not the 4-bit one its adapter trained on."""

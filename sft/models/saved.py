@@ -19,6 +19,7 @@ from sft.models.adapters import (
     adapter_embedding_rows,
     base_model_name,
     is_adapter_folder,
+    keep_cpu_4bit_layers_differentiable,
     load_saved_adapter,
 )
 from sft.models.hub import local_files_only
@@ -117,6 +118,8 @@ def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, b
         base = base.dequantize(dtype=target)
         if target is not None:
             base = base.to(target)  # dequantize casts the quantized layers only, not norms and embeddings
+    elif is_quantized(base):
+        keep_cpu_4bit_layers_differentiable(base)  # QDoRA reads the packed weights itself, see there
     fit_embeddings(base, tokenizer, adapter_embedding_rows(base, tokenizer, folder))  # as the run grew it
     return load_saved_adapter(base, folder, base_origin=origin)
 
