@@ -282,3 +282,33 @@ def test_early_stopping_resumes_its_count_of_evaluations_without_improvement(tmp
     resumed = trainer(out)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert resumed.state.global_step == 4
+
+
+def best_loading_trainer(tokenizer, out, **overrides) -> SFTTrainer:
+    """Evaluates and saves every 2 steps and loads the best checkpoint at the end; greater_is_better on a falling
+    eval loss makes the first checkpoint the best, so the best is not the last."""
+    config = load_recipe({"output_dir": str(out), "per_device_train_batch_size": 4, "max_steps": 6,
+                          "learning_rate": 1e-2, "eval_strategy": "steps", "eval_steps": 2, "save_steps": 2,
+                          "load_best_model_at_end": True, "metric_for_best_model": "loss", "greater_is_better": True,
+                          "report_to": "none", "seed": 0, "eval_split_size": 0.1, **overrides})
+    return SFTTrainer(model=make_llama(len(tokenizer)), args=config, processing_class=tokenizer,
+                      train_dataset=toy_data(), eval_dataset=toy_data(8))
+
+
+def test_a_moved_runs_resume_keeps_and_loads_its_best_checkpoint(tmp_path, tokenizer):
+    """trainer_state.json names the best checkpoint by the path it was saved at. Resumed after the run folder moved,
+    the Trainer forgot it (kept best_metric): no later evaluation became the best, and the final model was the last
+    step's weights, not checkpoint-2's."""
+    reference = best_loading_trainer(tokenizer, tmp_path / "reference")
+    reference.train()
+    assert reference.state.best_model_checkpoint == str(tmp_path / "reference" / "checkpoint-2")
+    expected = {name: tensor.clone() for name, tensor in reference.model.state_dict().items()}
+    moved = tmp_path / "moved"
+    for step in (2, 4):  # the run as it was when killed after checkpoint-4, then moved
+        shutil.move(tmp_path / "reference" / f"checkpoint-{step}", moved / f"checkpoint-{step}")
+    shutil.rmtree(tmp_path / "reference")
+    resumed = best_loading_trainer(tokenizer, moved)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.best_model_checkpoint == str(moved / "checkpoint-2")
+    for name, tensor in resumed.model.state_dict().items():
+        assert tensor.equal(expected[name]), name

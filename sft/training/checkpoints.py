@@ -64,6 +64,22 @@ def check_same_batch(folder: Path, args: TrainingArguments) -> None:
                    f"from its weights with --model_name_or_path {folder}.")
 
 
+def best_of_resumed(folder: Path) -> str | None:
+    """The best checkpoint a resume from `folder` goes on with. trainer_state.json records it by the path it was saved
+    at: in a run folder since moved or copied (or an output_dir given from another working directory) the Trainer
+    found no folder there and forgot it, while keeping best_metric, so no later evaluation became the best again;
+    save_total_limit then rotated the best checkpoint away and load_best_model_at_end kept the last weights (eval
+    loss 8.29 saved for a best of 11.13). The best checkpoint beside `folder`, where the run moved it, comes first."""
+    state = json.loads((folder / "trainer_state.json").read_text() or "{}")
+    recorded = state.get("best_model_checkpoint")
+    if not recorded:
+        return None
+    beside = folder.parent / Path(recorded).name
+    if beside.is_dir():
+        return str(beside)
+    return recorded if Path(recorded).is_dir() else None
+
+
 def _shape(shape: dict[str, int]) -> str:
     return " x ".join(f"{name} {value}" for name, value in shape.items())
 

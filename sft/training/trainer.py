@@ -6,6 +6,7 @@ the Trainer's hooks and hands each concern to the object that owns it: the token
 import contextlib
 import copy
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from transformers import (
 )
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.trainer_pt_utils import nested_gather
-from transformers.trainer_utils import has_length
+from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from sft.data.collators import TRAINED_TARGETS, HostCount, PackedCollator, PaddingFreeCollator
 from sft.data.encode import IGNORE_INDEX
@@ -117,6 +118,7 @@ class SFTMixin:
             self.add_callback(self.early_stopping)
         self.checkpoint_staging = CheckpointStaging(self.accelerator)
         self.resumed_loss_sum: float | None = None  # the checkpoint's, on resume (see _finalize_training)
+        self.resumed_from: Path | None = None  # the checkpoint train() resumes from
         self.zero3_parameters: int | None = None  # full non-embedding parameter count (floating_point_ops)
         self.saves_masters = loaded_in_float32(self.model)  # read before DeepSpeed casts the weights (masters)
         self.masters: dict[str, torch.Tensor] = {}  # gathered by save_model for _save
@@ -127,6 +129,10 @@ class SFTMixin:
         """Trainer.train with per-example NEFTune and signal handling attached for its duration."""
         if self.is_world_process_zero():
             checkpoints.remove_stale_staging(self.args.output_dir)
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if resume is True:  # as the Trainer resolves it
+            resume = get_last_checkpoint(self.args.output_dir)
+        self.resumed_from = Path(resume) if isinstance(resume, (str, os.PathLike)) and resume else None
         noise = contextlib.nullcontext()
         if self.neftune is not None:
             noise = self.neftune.attached(self.accelerator.unwrap_model(self.model).get_input_embeddings())
@@ -321,6 +327,8 @@ class SFTMixin:
         self.state.stateful_callbacks.pop(STATE_KEY, None)
         self.state.stateful_callbacks.pop(BATCH_KEY, None)
         self.resumed_loss_sum = (self.state.stateful_callbacks.pop(LOSS_KEY, None) or {}).get("loss_sum")
+        if self.resumed_from is not None:  # where the best checkpoint is now (best_of_resumed)
+            self.state.best_model_checkpoint = checkpoints.best_of_resumed(self.resumed_from)
         saved = self.state.stateful_callbacks.get(EarlyStoppingCallback.__name__)  # saved by the Trainer itself
         if self.early_stopping is not None and isinstance(saved, dict):
             self.early_stopping.early_stopping_patience_counter = saved["attributes"]["early_stopping_patience_counter"]
