@@ -312,3 +312,15 @@ def test_a_moved_runs_resume_keeps_and_loads_its_best_checkpoint(tmp_path, token
     assert resumed.state.best_model_checkpoint == str(moved / "checkpoint-2")
     for name, tensor in resumed.model.state_dict().items():
         assert tensor.equal(expected[name]), name
+
+
+def test_a_signal_keeps_its_checkpoint_beside_the_best_under_save_total_limit_1(tmp_path, tokenizer):
+    """The Trainer's end of training deletes every checkpoint but the best under save_total_limit 1: a SIGTERM at
+    step 5 deleted the checkpoint-5 it had just saved (the error still said 'checkpoint saved'), and a resume
+    started again from checkpoint-2."""
+    trainer = best_loading_trainer(tokenizer, tmp_path, save_total_limit=1)
+    trainer.add_callback(SignalAtStep(5, signal.SIGTERM))
+    trainer.train()
+    assert trainer.interrupted and trainer.state.global_step == 5
+    assert trainer.args.save_total_limit == 1 and trainer.args.load_best_model_at_end  # the recipe's, unchanged
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-5"]

@@ -337,11 +337,22 @@ class SFTMixin:
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         """train_loss over the whole run, also when it resumed: the Trainer's covers the steps since the resume
         only (3.6 uninterrupted against 2.1 resumed, with weights bitwise equal). Checkpoints from before sft kept
-        the sum (no LOSS_KEY) report the Trainer's."""
+        the sum (no LOSS_KEY) report the Trainer's.
+
+        A run stopped by a signal ends with the checkpoint it saved: the Trainer's end of training deletes every
+        checkpoint but the best under save_total_limit 1 (SIGTERM at step 7 deleted checkpoint-7, and a resume
+        started again from the best, checkpoint-2), and loads the best model, which no one saves."""
         if self.resumed_loss_sum is not None:
             self._total_loss_scalar += self.resumed_loss_sum
             self._initial_global_step, self.resumed_loss_sum = 0, None
-        return super()._finalize_training(*args, **kwargs)
+        settings = self.args
+        if self.interrupted:
+            self.args = copy.copy(settings)  # a copy: the recipe keeps its own values
+            self.args.save_total_limit, self.args.load_best_model_at_end = None, False
+        try:
+            return super()._finalize_training(*args, **kwargs)
+        finally:
+            self.args = settings
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add tokens/s (since the last log) and the running trained-token count, over all processes, to training
