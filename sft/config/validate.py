@@ -143,6 +143,22 @@ def check_best_saves(config: SFTConfig) -> None:
                        "(or another key evaluation reports), or save_strategy: steps or epoch.")
 
 
+def check_best_model_at_end(values: dict) -> None:
+    """load_best_model_at_end loads a checkpoint saved where an evaluation ran. Checked on the recipe's values, before
+    TrainingArguments, whose own error named its enums ("Evaluation strategy: IntervalStrategy.NO")."""
+    if not values.get("load_best_model_at_end"):
+        return
+    fields = SFTConfig.__dataclass_fields__
+    evals, saves = (option(values.get(key, fields[key].default)) for key in ("eval_strategy", "save_strategy"))
+    if evals == "no":
+        raise SFTError("load_best_model_at_end loads the checkpoint with the best evaluation, but eval_strategy is "
+                       "'no', so no evaluation runs during training. Set eval_strategy: steps (with eval_steps) or "
+                       "epoch, with eval data (eval_split_size or eval_dataset), or remove load_best_model_at_end.")
+    if saves not in (evals, "best"):
+        raise SFTError(f"load_best_model_at_end loads a checkpoint saved where an evaluation ran, but save_strategy "
+                       f"is {saves} and eval_strategy is {evals}. Set save_strategy: {evals} (or best).")
+
+
 def check_early_stopping(config: SFTConfig) -> None:
     """Early stopping compares evaluations made during training: without any it would never stop (the Trainer's
     callback asserts, after tokenization and model loading)."""

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from sft.config.arguments import SFTConfig
-from sft.config.validate import check_values
+from sft.config.validate import check_best_model_at_end, check_values
 from sft.errors import SFTError
 from sft.training.presets import apply_distributed
 
@@ -286,6 +286,7 @@ def build_config(values: dict) -> SFTConfig:
     if values.get("early_stopping_patience") is not None and values.get("metric_for_best_model") is None:
         values["metric_for_best_model"] = "loss"  # what early stopping watches unless told (as load_best does)
     values = apply_distributed(values)  # before TrainingArguments, which sets up FSDP/DeepSpeed as it is built
+    check_best_model_at_end(values)
     try:
         config = SFTConfig(**values)
     except (ValueError, TypeError) as err:
