@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DataCollatorForSeq2Seq, GenerationConfig
 
-from sft import SFTConfig, SFTTrainer, build_datasets, load_recipe, train
+from sft import SFTConfig, SFTTrainer, build_datasets, load_recipe, rundir, train
 from sft.cli.main import main
 from sft.data.collators import PackedCollator, PaddingFreeCollator
 from sft.data.encode import IGNORE_INDEX
@@ -216,3 +216,19 @@ def test_an_unreadable_generation_config_is_a_recipe_error(tiny_model_dir, qa_fi
     assert main(["eval", str(recipe_file), "--generation_config", str(tmp_path / "empty")]) == 2
     assert "does not appear to have a file named generation_config.json" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize("in_a_run", [True, False])
+def test_predictions_written_during_training_are_the_runs(tiny_model_dir, qa_file, tokenizer, tmp_path, in_a_run):
+    """Every evaluation during training rewrites predictions.jsonl in output_dir; it was recorded as sft's only when
+    training ended, so a run killed after an evaluation could not be resumed ('output_dir holds files sft did not
+    write: predictions.jsonl'). A folder that is no sft run (a Python user's output_dir) gets no manifest."""
+    if in_a_run:
+        rundir.claim(tmp_path)
+    config = recipe(tiny_model_dir, qa_file, tmp_path)
+    _, eval_set = build_datasets(config, tokenizer)
+    SFTTrainer(model=make_llama(len(tokenizer)), args=config, processing_class=tokenizer,
+               eval_dataset=eval_set).evaluate()
+    assert (tmp_path / "predictions.jsonl").is_file()
+    assert rundir.foreign_entries(tmp_path) == ([] if in_a_run else ["predictions.jsonl"])
+    assert rundir.is_run(tmp_path) == in_a_run

@@ -35,6 +35,7 @@ from transformers.integrations.fsdp import is_fsdp_managed_module
 from sft.config.arguments import SFTConfig
 from sft.data.boundaries import spans
 from sft.data.encode import IGNORE_INDEX
+from sft import rundir
 from sft.errors import SFTError
 from sft.evaluation.generation import GREEDY, decoding_config, reply_tokens
 from sft.evaluation.metrics import compute_metrics, resolve_metrics
@@ -275,7 +276,10 @@ class GenerationEval:
         """Metrics of the collected predictions (prefixed); predictions.jsonl written by the main process."""
         if main_process:
             name = "predictions.jsonl" if prefix == "eval" else f"{prefix}_predictions.jsonl"
-            write_predictions(self.predictions, Path(self.args.output_dir) / name)
+            out = Path(self.args.output_dir)
+            write_predictions(self.predictions, out / name)
+            if rundir.is_run(out):  # written at every evaluation during training: sft's even if the run is killed
+                rundir.claim(out, [name])
         predictions = [r["prediction"] for r in self.predictions]
         references = [r["reference"] for r in self.predictions]
         values = compute_metrics(self.metric_fns, predictions, references)
