@@ -324,3 +324,16 @@ def test_a_signal_keeps_its_checkpoint_beside_the_best_under_save_total_limit_1(
     assert trainer.interrupted and trainer.state.global_step == 5
     assert trainer.args.save_total_limit == 1 and trainer.args.load_best_model_at_end  # the recipe's, unchanged
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-5"]
+
+
+def test_a_resumed_runs_speed_counts_the_steps_it_trained(tmp_path, tokenizer):
+    """Resumed from checkpoint-2 of 6 steps, a run trains 4 steps: its steps and samples per second (train_results.json,
+    the model card) divide those by its runtime. Carrying the loss sum counted all 6 (2.3 steps/s reported for 2 steps
+    in 5.2 s, in a real run)."""
+    make_trainer(tokenizer, tmp_path / "reference").train()
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "reference" / "checkpoint-2", out / "checkpoint-2")
+    metrics = make_trainer(tokenizer, out).train(resume_from_checkpoint=str(out / "checkpoint-2")).metrics
+    runtime = metrics["train_runtime"]
+    assert metrics["train_steps_per_second"] == pytest.approx(4 / runtime, rel=1e-2, abs=2e-3)
+    assert metrics["train_samples_per_second"] == pytest.approx(4 * 4 / runtime, rel=1e-2, abs=2e-3)

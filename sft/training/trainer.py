@@ -337,14 +337,22 @@ class SFTMixin:
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         """train_loss over the whole run, also when it resumed: the Trainer's covers the steps since the resume
         only (3.6 uninterrupted against 2.1 resumed, with weights bitwise equal). Checkpoints from before sft kept
-        the sum (no LOSS_KEY) report the Trainer's.
+        the sum (no LOSS_KEY) report the Trainer's. The Trainer divides the loss sum by the steps of this call, as it
+        does the samples and steps per second: the sum is scaled to that count (counting the whole run's steps
+        instead reported 2.3 steps/s for 2 steps in 5.2 s).
 
         A run stopped by a signal ends with the checkpoint it saved: the Trainer's end of training deletes every
         checkpoint but the best under save_total_limit 1 (SIGTERM at step 7 deleted checkpoint-7, and a resume
         started again from the best, checkpoint-2), and loads the best model, which no one saves."""
         if self.resumed_loss_sum is not None:
-            self._total_loss_scalar += self.resumed_loss_sum
-            self._initial_global_step, self.resumed_loss_sum = 0, None
+            steps, here = self.state.global_step, self.state.global_step - self._initial_global_step
+            pending = self._tr_loss.item()  # the Trainer adds it to the sum first
+            whole = self.resumed_loss_sum + self._total_loss_scalar + pending
+            if here > 0:
+                self._total_loss_scalar = whole * here / steps - pending
+            else:  # nothing trained since the checkpoint: no speed to report either
+                self._total_loss_scalar, self._initial_global_step = whole - pending, 0
+            self.resumed_loss_sum = None
         settings = self.args
         if self.interrupted:
             self.args = copy.copy(settings)  # a copy: the recipe keeps its own values
