@@ -76,6 +76,9 @@ def best_of_resumed(folder: Path) -> str | None:
         return None
     beside = folder.parent / Path(recorded).name
     if beside.is_dir():
+        if str(beside) != recorded:  # the Trainer has just said it ignores the recorded one
+            log.warning("The best checkpoint so far, recorded as %s, is %s now: keeping it as the best.",
+                        recorded, beside)
         return str(beside)
     return recorded if Path(recorded).is_dir() else None
 
