@@ -337,3 +337,25 @@ def test_a_resumed_runs_speed_counts_the_steps_it_trained(tmp_path, tokenizer):
     runtime = metrics["train_runtime"]
     assert metrics["train_steps_per_second"] == pytest.approx(4 / runtime, rel=1e-2, abs=2e-3)
     assert metrics["train_samples_per_second"] == pytest.approx(4 * 4 / runtime, rel=1e-2, abs=2e-3)
+
+
+class PoisonAtStep(TrainerCallback):
+    """Makes the weights NaN before `step`: the divergence guard stops there without saving."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step + 1 == self.step:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+
+
+def test_divergence_keeps_the_last_good_checkpoint_beside_the_best_under_save_total_limit_1(tmp_path, tokenizer):
+    """A diverged run names its newest checkpoint as the last good one to resume from; under save_total_limit 1 the
+    Trainer's end of training had deleted it (checkpoint-4), leaving only the best, checkpoint-2."""
+    trainer = best_loading_trainer(tokenizer, tmp_path, save_total_limit=1)
+    trainer.add_callback(PoisonAtStep(5))
+    trainer.train()
+    assert trainer.divergence.bad is not None and trainer.state.global_step == 5
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]

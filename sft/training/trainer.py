@@ -341,9 +341,10 @@ class SFTMixin:
         does the samples and steps per second: the sum is scaled to that count (counting the whole run's steps
         instead reported 2.3 steps/s for 2 steps in 5.2 s).
 
-        A run stopped by a signal ends with the checkpoint it saved: the Trainer's end of training deletes every
-        checkpoint but the best under save_total_limit 1 (SIGTERM at step 7 deleted checkpoint-7, and a resume
-        started again from the best, checkpoint-2), and loads the best model, which no one saves."""
+        A run stopped by a signal or divergence ends with its newest checkpoint: the Trainer's end of training
+        deletes every checkpoint but the best under save_total_limit 1 (SIGTERM at step 7 deleted the checkpoint-7 it
+        had saved, and a resume started again from the best, checkpoint-2), and loads the best model, which no one
+        saves."""
         if self.resumed_loss_sum is not None:
             steps, here = self.state.global_step, self.state.global_step - self._initial_global_step
             pending = self._tr_loss.item()  # the Trainer adds it to the sum first
@@ -354,7 +355,7 @@ class SFTMixin:
                 self._total_loss_scalar, self._initial_global_step = whole - pending, 0
             self.resumed_loss_sum = None
         settings = self.args
-        if self.interrupted:
+        if self.interrupted or self.divergence.bad is not None:
             self.args = copy.copy(settings)  # a copy: the recipe keeps its own values
             self.args.save_total_limit, self.args.load_best_model_at_end = None, False
         try:
