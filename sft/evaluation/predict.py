@@ -32,10 +32,10 @@ from transformers import (
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 
+from sft import rundir
 from sft.config.arguments import SFTConfig
 from sft.data.boundaries import spans
 from sft.data.encode import IGNORE_INDEX
-from sft import rundir
 from sft.errors import SFTError
 from sft.evaluation.generation import GREEDY, decoding_config, reply_tokens
 from sft.evaluation.metrics import compute_metrics, resolve_metrics
