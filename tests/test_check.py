@@ -200,3 +200,12 @@ def test_the_embedded_stand_in_tokenizer_is_not_a_foreign_one(tmp_path):
 
     _, values, _ = tiny_recipe(str(REPO / "recipes" / "llama-3.1-8b-instruct" / "lora.yaml"), None, tmp_path)
     assert values["model_name_or_path"] == str(tmp_path / "model")
+
+
+def test_check_runs_a_recipe_that_evaluates_during_training_to_keep_the_best(capsys):
+    """The smoke run turns evaluation during training off; the settings that need it were left on, so sft check
+    refused every early-stopping recipe ("early_stopping_patience is 2 ... but eval_strategy is 'no'") and, once
+    load_best_model_at_end was checked, every recipe keeping the best checkpoint."""
+    flags = ["--eval_strategy", "steps", "--eval_steps", "5", "--save_strategy", "steps", "--save_steps", "5",
+             "--eval_split_size", "0.1", "--load_best_model_at_end", "true", "--early_stopping_patience", "2"]
+    assert main(["check", "recipes/quickstart.yaml", *flags]) == 0, capsys.readouterr().err

@@ -123,6 +123,8 @@ def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:
     """Short-run settings, and GPU-only keys turned off (and reported) on a machine without CUDA."""
     overrides = {"output_dir": str(tmp / "run"), "max_steps": 2, "num_train_epochs": 1, "logging_steps": 1,
                  "save_strategy": "no", "eval_strategy": "no", "report_to": "none", "dtype": "float32",
+                 # what needs evaluations during training, which the 2-step run does not make (refused without them)
+                 "load_best_model_at_end": False, "early_stopping_patience": None,
                  "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, "gradient_accumulation_steps": 1,
                  "max_length": capped_max_length(config), "dataloader_num_workers": 0, "overwrite_output_dir": True,
                  "bnb_4bit_compute_dtype": "float32", "push_to_hub": False}
