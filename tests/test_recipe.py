@@ -126,3 +126,17 @@ def test_other_tools_keys_name_sft_s_key_instead_of_a_spelling_guess():
     # alpaca-lora's flags used to get guesses from their spelling alone
     with pytest.raises(SFTError, match="sft's is per_device_train_batch_size"):
         load_recipe({}, flags=["--micro_batch_size", "4"])
+
+
+def test_a_comma_separated_list_reads_the_same_in_a_recipe_and_on_the_command_line(tmp_path):
+    """`--metrics exact_match,rouge` is two metrics; the same text in a recipe was one unknown metric
+    ("Unknown metric `exact_match,rouge`")."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text("metrics: exact_match, rouge\nlora_target_modules: q_proj,v_proj\nuse_peft: true\n")
+    from_recipe = load_recipe(path)
+    from_flags = load_recipe({"use_peft": True},
+                             flags=["--metrics", "exact_match,rouge", "--lora_target_modules", "q_proj,v_proj"])
+    assert from_recipe.metrics == from_flags.metrics == ["exact_match", "rouge"]
+    assert from_recipe.lora_target_modules == from_flags.lora_target_modules == ["q_proj", "v_proj"]
+    path.write_text("metrics: rouge\n")
+    assert load_recipe(path).metrics == ["rouge"]

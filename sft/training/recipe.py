@@ -264,8 +264,8 @@ def _to_list(value: Any, item: Any, from_text: bool) -> list:
     if from_text and isinstance(value, str):
         parsed = yaml.safe_load(value)
         value = parsed if isinstance(parsed, list) else [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, str):
-        value = [value]
+    if isinstance(value, str):  # a recipe's `metrics: exact_match,rouge` is two items, as on the command line
+        value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"expected a list, got {value!r}")
     return [_convert(v, item, from_text) for v in value]
