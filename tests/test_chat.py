@@ -349,6 +349,10 @@ def test_system_column_is_rendered_or_refused_never_dropped():
         renderer.render_row(two, "x", 7)
     with pytest.raises(SFTError, match="row 7, system: `system` is a list, not a string"):
         renderer.render_row({"system": [column], "conversations": turns}, "x", 7)
+    later = {"system": column, "conversations": [*turns[:2], {"from": "system", "value": column}, *turns[2:]]}
+    with pytest.raises(SFTError, match=r"row 7, system: the `system` column would open a conversation that has a "
+                       r"system message later \(conversations\[2\]\): two system prompts"):
+        renderer.render_row(later, "x", 7)  # it was put first, beside the later one
 
 
 def test_system_column_beside_a_text_prompt_is_refused(chatml_tok):

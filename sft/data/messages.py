@@ -71,14 +71,17 @@ def _system_column(value: Any, messages: list[Message], ctx: Row) -> str | None:
                         "system")
     if not value.strip():
         return None
-    opening = messages[0] if messages and messages[0].role == "system" else None
-    if opening is None:
+    given = next((m for m in messages if m.role == "system"), None)
+    if given is None:
         return value
-    if opening.data["content"].strip() != value.strip():
-        raise ctx.error(f"the `system` column and {opening.label}, a system message, give two different system "
-                        "prompts, and a conversation has one", "Keep one of them: remove the row's opening system "
-                        "message, or train without the column: `columns: {system: unused_system}` in the source.",
-                        "system")
+    fix = ("Keep one of them: remove the row's system message, or train without the column: `columns: {system: "
+           "unused_system}` in the source.")
+    if given is not messages[0]:  # put first, the column would be a second system prompt
+        raise ctx.error(f"the `system` column would open a conversation that has a system message later "
+                        f"({given.label}): two system prompts, and a conversation has one", fix, "system")
+    if given.data["content"].strip() != value.strip():
+        raise ctx.error(f"the `system` column and {given.label}, a system message, give two different system "
+                        "prompts, and a conversation has one", fix, "system")
     return None
 
 
