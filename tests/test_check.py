@@ -209,3 +209,21 @@ def test_check_runs_a_recipe_that_evaluates_during_training_to_keep_the_best(cap
     flags = ["--eval_strategy", "steps", "--eval_steps", "5", "--save_strategy", "steps", "--save_steps", "5",
              "--eval_split_size", "0.1", "--load_best_model_at_end", "true", "--early_stopping_patience", "2"]
     assert main(["check", "recipes/quickstart.yaml", *flags]) == 0, capsys.readouterr().err
+
+
+def test_check_stands_a_tiny_multimodal_model_in_for_gemma3(tmp_path, capsys):
+    """Gemma-3 4B+'s config keeps its sizes in text_config and vision_config: the stand-in read its top level (no
+    vocab_size: an AttributeError traceback) and would have been built at full size."""
+    from transformers import AutoTokenizer, Gemma3Config
+
+    from sft.check.smoke import tiny_architecture
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "data" / "models" / "tiny-llama")
+    Gemma3Config(text_config={"vocab_size": len(tokenizer)}).save_pretrained(tmp_path / "gemma3")  # 4B's shape
+    tokenizer.save_pretrained(tmp_path / "gemma3")
+    tiny = tiny_architecture("gemma3", len(tokenizer))
+    assert (tiny.text_config.hidden_size, tiny.text_config.num_hidden_layers, tiny.text_config.vocab_size) == (
+        64, 2, len(tokenizer))
+    assert (tiny.vision_config.hidden_size, tiny.vision_config.num_hidden_layers) == (64, 2)
+    flags = ["--model_name_or_path", str(tmp_path / "gemma3"), "--output_dir", str(tmp_path / "run")]
+    assert main(["check", "recipes/quickstart.yaml", *flags]) == 0, capsys.readouterr().err

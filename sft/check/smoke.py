@@ -26,7 +26,7 @@ from sft.config.arguments import SFTConfig
 from sft.data.sources import Source, all_local, parse_sources
 from sft.errors import SFTError
 from sft.evaluation.metrics import check_best_metric
-from sft.models.families import VARLEN, guess_model_type
+from sft.models.families import NON_TEXT_CONFIGS, VARLEN, guess_model_type
 from sft.models.hub import local_files_only
 from sft.models.loading import generation_eos, recipe_architecture, tokenizer_mismatch
 from sft.training.catalog import shipped
@@ -206,11 +206,12 @@ def tiny_model(config: SFTConfig, report: CheckReport, folder: Path, real: Pretr
     # The stand-in is sized to the tokenizer, so `sft train`'s warning for another family's tokenizer never fires
     # here; the embedded tokenizer stands in for one out of reach and fits no real model.
     own = Path(tokenizer.name_or_path).resolve() != EMBEDDED_TOKENIZER.resolve()
-    problem = tokenizer_mismatch(len(tokenizer), real.vocab_size) if real is not None and own else None
+    rows = real.get_text_config().vocab_size if real is not None else None  # a multimodal config's text model's
+    problem = tokenizer_mismatch(len(tokenizer), rows) if rows is not None and own else None
     if problem:
         raise SFTError(f"The tokenizer {config.tokenizer_name_or_path or config.model_name_or_path} does not fit the "
                        f"model {config.model_name_or_path}: {problem} (`sft train` would only warn and train on.)")
-    tiny_config = AutoConfig.for_model(report.model_type, vocab_size=len(tokenizer), **_tiny_fields(report.model_type))
+    tiny_config = tiny_architecture(report.model_type, len(tokenizer))
     tiny_config.pad_token_id = tokenizer.pad_token_id
     if tiny_config.is_encoder_decoder:  # T5/BART configs made from scratch name no decoder start token
         tiny_config.decoder_start_token_id = tokenizer.pad_token_id
@@ -240,6 +241,20 @@ def local_tokenizer(config: SFTConfig):
         raise SFTError(f"sft check needs a local tokenizer: none for the recipe, and {EMBEDDED_TOKENIZER} is missing "
                        "(rebuild it with scripts/make_tiny_model.py).")
     return AutoTokenizer.from_pretrained(EMBEDDED_TOKENIZER)
+
+
+def tiny_architecture(model_type: str, vocab: int) -> PretrainedConfig:
+    """A 2-layer config of `model_type` over `vocab` tokens. A multimodal one (Gemma-3 4B+: a text model and a vision
+    tower, each a sub-config) gets a tiny text model and tiny towers: the size fields at its top level are none of
+    theirs, and the stand-in was built at full size (and failed first on the config's missing vocab_size)."""
+    default = AutoConfig.for_model(model_type)
+    subs = {key: getattr(default, key) for key in ("text_config", *NON_TEXT_CONFIGS)
+            if isinstance(getattr(default, key, None), PretrainedConfig)}
+    if "text_config" not in subs:
+        return AutoConfig.for_model(model_type, vocab_size=vocab, **_tiny_fields(model_type))
+    sizes = {key: _tiny_fields(sub.model_type) for key, sub in subs.items()}
+    sizes["text_config"]["vocab_size"] = vocab
+    return AutoConfig.for_model(model_type, **sizes)
 
 
 def _tiny_fields(model_type: str) -> dict:
