@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import datasets
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import TrainerCallback, TrainerState
 
 from sft import SFTConfig, SFTTrainer, load_recipe, rundir
@@ -24,7 +25,7 @@ from sft.training.checkpoints import (
     staging_root,
 )
 
-from conftest import REPO, make_llama
+from conftest import REPO, make_gemma3, make_llama
 
 
 def toy_data(n: int = 32) -> datasets.Dataset:
@@ -359,3 +360,33 @@ def test_divergence_keeps_the_last_good_checkpoint_beside_the_best_under_save_to
     trainer.train()
     assert trainer.divergence.bad is not None and trainer.state.global_step == 5
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_a_model_saved_under_other_names_resumes_and_loads_its_best_from_its_checkpoints(tmp_path, tokenizer):
+    """Gemma-3 4B+ saves `vision_tower.*`/`language_model.*` for its modules `model.vision_tower.*`/
+    `model.language_model.*`: the Trainer's resume and load_best_model_at_end loaded its checkpoints with
+    load_state_dict(strict=False), which missed every tensor, and went on from the weights it had."""
+    def gemma3_trainer(out, **overrides) -> SFTTrainer:
+        args = SFTConfig(**{"output_dir": str(out), "per_device_train_batch_size": 4, "max_steps": 4,
+                            "save_strategy": "steps", "save_steps": 2, "learning_rate": 1e-3, "report_to": "none",
+                            "seed": 0, **overrides})
+        return SFTTrainer(model=make_gemma3(len(tokenizer)), args=args, processing_class=tokenizer,
+                          train_dataset=toy_data(), eval_dataset=toy_data(8) if args.eval_strategy != "no" else None)
+
+    reference = gemma3_trainer(tmp_path / "reference")
+    reference.train()
+    with safe_open(tmp_path / "reference" / "checkpoint-2" / "model.safetensors", "pt") as file:
+        assert not any(name.startswith("model.") for name in file.keys())  # not the modules' names
+    resumed = gemma3_trainer(tmp_path / "reference")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "reference" / "checkpoint-2"))
+    expected = reference.model.state_dict()
+    for name, tensor in resumed.model.state_dict().items():
+        assert tensor.equal(expected[name]), name
+    best = gemma3_trainer(tmp_path / "best", eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+                          metric_for_best_model="loss", greater_is_better=True)  # checkpoint-2 is the best
+    best.train()
+    assert best.state.best_model_checkpoint == str(tmp_path / "best" / "checkpoint-2")
+    saved = type(best.model).from_pretrained(tmp_path / "best" / "checkpoint-2").state_dict()  # transformers' reading
+    assert any(not tensor.equal(saved[name]) for name, tensor in reference.model.state_dict().items())  # 4 steps moved
+    for name, tensor in best.model.state_dict().items():
+        assert tensor.equal(saved[name]), name

@@ -15,8 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from accelerate import Accelerator
-from transformers import TrainerState, TrainingArguments
+from safetensors import safe_open
+from torch import nn
+from transformers import PreTrainedModel, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from sft.errors import SFTError
 
@@ -165,3 +168,36 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def load_renamed_weights(model: nn.Module, folder: str | os.PathLike) -> bool:
+    """Load the whole-model weights of checkpoint `folder` into `model` where the file names them otherwise than the
+    model's modules; False where the Trainer's own loading applies (an adapter, matching names, no such file).
+
+    transformers 5 saves some models under their checkpoint names (Gemma-3 4B+ writes `vision_tower.*` and
+    `language_model.*` for the modules `model.vision_tower.*` and `model.language_model.*`), and the Trainer loads a
+    checkpoint (resume, load_best_model_at_end) with load_state_dict(strict=False): every tensor missed, and the run
+    went on from the base weights with a warning. from_pretrained reads those names; its weights are copied in."""
+    folder = Path(folder)
+    if not isinstance(model, PreTrainedModel) or not (saved := saved_tensor_names(folder)):
+        return False
+    if saved <= set(model.state_dict()):
+        return False
+    loaded = type(model).from_pretrained(folder, dtype="auto", device_map={"": "cpu"})
+    result = model.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [key for key in result.missing_keys if key not in loaded.state_dict()]
+    if missing:
+        raise SFTError(f"Could not load the weights of {folder}: {len(missing)} of the model's tensors are not in it "
+                       f"(e.g. {missing[0]}).")
+    return True
+
+
+def saved_tensor_names(folder: Path) -> set[str]:
+    """The tensor names of a checkpoint's model.safetensors (or its sharded index); empty when it has none."""
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    if (folder / SAFE_WEIGHTS_NAME).is_file():
+        with safe_open(folder / SAFE_WEIGHTS_NAME, "pt") as file:
+            return set(file.keys())
+    return set()

@@ -273,6 +273,17 @@ class SFTMixin:
         finally:
             self.masters = {}
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The Trainer's, or transformers' loading of weights saved under other names (load_renamed_weights)."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or not checkpoints.load_renamed_weights(
+                model or self.model, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or not checkpoints.load_renamed_weights(
+                self.model, self.state.best_model_checkpoint):  # as _load_from_checkpoint
+            super()._load_best_model()
+
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """Write checkpoint-N into a staging folder, then rename it into place and rotate old ones."""
         run_dir = super()._get_output_dir(trial)
@@ -287,12 +298,10 @@ class SFTMixin:
         self.checkpoint_staging.finish(run_dir, self.state, self.args)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """The Trainer's save (final model and every checkpoint), plus:
-        - under DeepSpeed 16-bit training of float32-loaded weights, the masters in place of their 16-bit copies and
-          config.json saying float32, which save_pretrained writes from the 16-bit weights (sft.training.masters);
-        - an adapter's generation_config.json: a peft save writes none, and `sft merge RUN/checkpoint-N` took the
-          base's, whose stop ids lack the run's end of turn (ChatML's <|im_end|> on a base Mistral), so transformers,
-          vLLM and TGI wrote past the end of every turn."""
+        """The Trainer's save (final model and checkpoints), with DeepSpeed's float32 masters in place of their 16-bit
+        copies where the weights loaded in float32 (sft.training.masters), and an adapter's generation_config.json: a
+        peft save writes none, and `sft merge RUN/checkpoint-N` took the base's, whose stop ids may lack the run's end
+        of turn (ChatML's <|im_end|> on a base Mistral), so transformers, vLLM and TGI wrote past every turn."""
         out = output_dir or self.args.output_dir
         masters = self.masters if state_dict is not None else {}
         super()._save(output_dir, {**state_dict, **masters} if masters else state_dict)
@@ -335,16 +344,12 @@ class SFTMixin:
         super()._load_callback_state()
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
-        """train_loss over the whole run, also when it resumed: the Trainer's covers the steps since the resume
-        only (3.6 uninterrupted against 2.1 resumed, with weights bitwise equal). Checkpoints from before sft kept
-        the sum (no LOSS_KEY) report the Trainer's. The Trainer divides the loss sum by the steps of this call, as it
-        does the samples and steps per second: the sum is scaled to that count (counting the whole run's steps
-        instead reported 2.3 steps/s for 2 steps in 5.2 s).
-
-        A run stopped by a signal or divergence ends with its newest checkpoint: the Trainer's end of training
-        deletes every checkpoint but the best under save_total_limit 1 (SIGTERM at step 7 deleted the checkpoint-7 it
-        had saved, and a resume started again from the best, checkpoint-2), and loads the best model, which no one
-        saves."""
+        """train_loss over the whole run, also when it resumed (the Trainer's covers the steps since the resume: 3.6
+        against 2.1, weights bitwise equal); the carried sum is scaled to the steps of this call, which the Trainer
+        divides by, as its steps and samples per second (the whole run's count reported 2.3 steps/s for 2 steps in
+        5.2 s). Checkpoints from before sft kept the sum (no LOSS_KEY) report the Trainer's. A run stopped by a signal
+        or divergence keeps its newest checkpoint: under save_total_limit 1 the Trainer's end deleted all but the best
+        (SIGTERM at step 7 deleted checkpoint-7; a resume restarted from checkpoint-2) and loaded the best model."""
         if self.resumed_loss_sum is not None:
             steps, here = self.state.global_step, self.state.global_step - self._initial_global_step
             pending = self._tr_loss.item()  # the Trainer adds it to the sum first
