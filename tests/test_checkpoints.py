@@ -362,27 +362,39 @@ def test_divergence_keeps_the_last_good_checkpoint_beside_the_best_under_save_to
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
 
 
-def test_a_model_saved_under_other_names_resumes_and_loads_its_best_from_its_checkpoints(tmp_path, tokenizer):
-    """Gemma-3 4B+ saves `vision_tower.*`/`language_model.*` for its modules `model.vision_tower.*`/
-    `model.language_model.*`: the Trainer's resume and load_best_model_at_end loaded its checkpoints with
-    load_state_dict(strict=False), which missed every tensor, and went on from the weights it had."""
-    def gemma3_trainer(out, **overrides) -> SFTTrainer:
+def make_mixtral(vocab_size: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "mixtral", vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, use_cache=False))
+
+
+@pytest.mark.parametrize("make_model", [make_gemma3, make_mixtral], ids=["gemma3", "mixtral"])
+def test_a_model_saved_under_other_names_resumes_and_loads_its_best_from_its_checkpoints(tmp_path, tokenizer,
+                                                                                          make_model):
+    """transformers 5 saves some models otherwise than their modules: Gemma-3 4B+ `vision_tower.*` for
+    `model.vision_tower.*`, Mixtral and Qwen-MoE one tensor per expert for their fused experts. The Trainer's resume
+    and load_best_model_at_end loaded their checkpoints with load_state_dict(strict=False), which missed those
+    tensors, and went on from the weights it had."""
+    def renamed_trainer(out, **overrides) -> SFTTrainer:
         args = SFTConfig(**{"output_dir": str(out), "per_device_train_batch_size": 4, "max_steps": 4,
                             "save_strategy": "steps", "save_steps": 2, "learning_rate": 1e-3, "report_to": "none",
                             "seed": 0, **overrides})
-        return SFTTrainer(model=make_gemma3(len(tokenizer)), args=args, processing_class=tokenizer,
+        return SFTTrainer(model=make_model(len(tokenizer)), args=args, processing_class=tokenizer,
                           train_dataset=toy_data(), eval_dataset=toy_data(8) if args.eval_strategy != "no" else None)
 
-    reference = gemma3_trainer(tmp_path / "reference")
+    reference = renamed_trainer(tmp_path / "reference")
     reference.train()
     with safe_open(tmp_path / "reference" / "checkpoint-2" / "model.safetensors", "pt") as file:
-        assert not any(name.startswith("model.") for name in file.keys())  # not the modules' names
-    resumed = gemma3_trainer(tmp_path / "reference")
+        assert not set(file.keys()) <= set(reference.model.state_dict())  # not the modules' names
+    resumed = renamed_trainer(tmp_path / "reference")
     resumed.train(resume_from_checkpoint=str(tmp_path / "reference" / "checkpoint-2"))
     expected = reference.model.state_dict()
     for name, tensor in resumed.model.state_dict().items():
         assert tensor.equal(expected[name]), name
-    best = gemma3_trainer(tmp_path / "best", eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+    best = renamed_trainer(tmp_path / "best", eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
                           metric_for_best_model="loss", greater_is_better=True)  # checkpoint-2 is the best
     best.train()
     assert best.state.best_model_checkpoint == str(tmp_path / "best" / "checkpoint-2")
