@@ -175,9 +175,10 @@ def load_renamed_weights(model: nn.Module, folder: str | os.PathLike) -> bool:
     model's modules; False where the Trainer's own loading applies (an adapter, matching names, no such file).
 
     transformers 5 saves some models under their checkpoint names (Gemma-3 4B+ writes `vision_tower.*` and
-    `language_model.*` for the modules `model.vision_tower.*` and `model.language_model.*`), and the Trainer loads a
-    checkpoint (resume, load_best_model_at_end) with load_state_dict(strict=False): every tensor missed, and the run
-    went on from the base weights with a warning. from_pretrained reads those names; its weights are copied in."""
+    `language_model.*` for the modules `model.vision_tower.*` and `model.language_model.*`; Mixtral and Qwen2/3-MoE
+    one tensor per expert for their fused experts), and the Trainer loads a checkpoint (resume,
+    load_best_model_at_end) with load_state_dict(strict=False): those tensors were missed, and the run went on from
+    the weights it had, with a warning. from_pretrained reads those names; its weights are copied in."""
     folder = Path(folder)
     if not isinstance(model, PreTrainedModel) or not (saved := saved_tensor_names(folder)):
         return False
