@@ -185,8 +185,7 @@ def load_renamed_weights(model: nn.Module, folder: str | os.PathLike) -> bool:
     if saved <= set(model.state_dict()):
         return False
     loaded = type(model).from_pretrained(folder, dtype="auto", device_map={"": "cpu"})
-    result = model.load_state_dict(loaded.state_dict(), strict=False)
-    missing = [key for key in result.missing_keys if key not in loaded.state_dict()]
+    missing = model.load_state_dict(loaded.state_dict(), strict=False).missing_keys
     if missing:
         raise SFTError(f"Could not load the weights of {folder}: {len(missing)} of the model's tensors are not in it "
                        f"(e.g. {missing[0]}).")
