@@ -86,8 +86,8 @@ class Job:
 # checkpointing on, which the QLoRA 24 GB goal needs. Each job's tools: sft's surest fast run and TRL's best first
 # (the issue's comparison; varlen needs no compile, which would cost a share of a ~2-minute job before its first
 # step), then compiled sft and plain Trainer, then the A/B variants, as far as the job's time goes.
-FULL_TOOLS = ("sft-varlen", "trl-flex", "sft-varlen-compile", "plain", "sft-varlen-compile-budget", "trl", "sft")
-ADAPTER_TOOLS = ("sft-varlen", "trl-flex", "plain", "sft-varlen-compile", "trl", "sft")
+FULL_TOOLS = ("sft-varlen", "trl-flex", "sft-varlen-compile", "trl", "plain", "sft-varlen-compile-budget", "sft")
+ADAPTER_TOOLS = ("sft-varlen", "trl-flex", "trl", "plain", "sft-varlen-compile", "sft")
 SUITES = {
     "issue19-full": [Job("qwen2.5-0.5b", "full", 8, False, tools=FULL_TOOLS),
                      Job("llama-3.2-1b", "full", 8, False, tools=FULL_TOOLS)],

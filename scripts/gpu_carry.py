@@ -22,9 +22,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / ".gpu"
-# Missing on the device image or older there; liger-kernel is not installed here, so its newest release is taken.
-PACKAGES = ("transformers", "huggingface_hub", "datasets", "trl", "bitsandbytes", "dill", "multiprocess", "xxhash",
-            "rouge_score", "liger-kernel")
+# Missing on the device image or older there (peft: whichever the image has, sft and trl are tested on this one);
+# liger-kernel is not installed here, so its newest release is taken.
+PACKAGES = ("transformers", "huggingface_hub", "peft", "datasets", "trl", "bitsandbytes", "dill", "multiprocess",
+            "xxhash", "rouge_score", "liger-kernel")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64")
 # What scripts/bench.py and scripts/bench_gpu.py read (MODELS' tokenizers, the CPU default's, the Alpaca rows).
