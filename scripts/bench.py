@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "cross-entropy; torch_compile; activation_memory_budget 0.8, with compile), trl-flex|compile; "
                      "e.g. sft-varlen-compile-budget,trl-flex")
     gpu.add_argument("--liger", choices=("auto", "off"), default="auto", help="trl: use_liger_kernel where it imports")
+    gpu.add_argument("--profile", action="store_true", help="profile 2 more steps after the timed ones (not in "
+                     "tokens/s): each run's step split into matmul, attention, optimizer, Triton, copy and other "
+                     "kernels, the time no kernel ran, and the busiest kernels (JSON: runs[tool].profile)")
     gpu.add_argument("--suite", choices=("issue19", "issue19-full", "issue19-8b"), help="a fixed set of jobs")
     gpu.add_argument("--budget_s", type=float, default=540, help="seconds for the whole suite; each job gets an equal share of what is "
                      "left (a job that ends early leaves its time to the next); runs not finished in their job's share "

@@ -83,11 +83,13 @@ class Job:
 
 
 # Full fine-tunes without checkpointing (they fit in 80 GB); the 8B jobs at the recipes' micro-batch 2 with
-# checkpointing on, which the QLoRA 24 GB goal needs. Each job's tools: sft's surest fast run and TRL's best first
-# (the issue's comparison; varlen needs no compile, which would cost a share of a ~2-minute job before its first
-# step), then compiled sft and plain Trainer, then the A/B variants, as far as the job's time goes.
-FULL_TOOLS = ("sft-varlen", "trl-flex", "sft-varlen-compile", "trl", "plain", "sft-varlen-compile-budget", "sft")
-ADAPTER_TOOLS = ("sft-varlen", "trl-flex", "trl", "plain", "sft-varlen-compile", "sft")
+# checkpointing on, which the QLoRA 24 GB goal needs. Each job's tools: sft's fastest run and TRL's surest first (the
+# issue's comparison), then the others, as far as the job's share goes. The order is measured (H100, BENCHMARKS.md):
+# trl-flex did not reach the end of its first steps in 43-76 s (flex_attention compiling), so it runs last, after TRL
+# on sdpa (first step 32-40 s); sft-varlen-compile was sft's fastest on Qwen2.5-0.5B (1.25x sft-varlen, first step
+# 31 s), and leads the full jobs; the 8B jobs, whose share also builds and saves the model, lead with sft-varlen.
+FULL_TOOLS = ("sft-varlen-compile", "trl", "sft-varlen", "plain", "trl-flex", "sft-varlen-compile-budget", "sft")
+ADAPTER_TOOLS = ("sft-varlen", "trl", "sft-varlen-compile", "plain", "trl-flex", "sft")
 SUITES = {
     "issue19-full": [Job("qwen2.5-0.5b", "full", 8, False, tools=FULL_TOOLS),
                      Job("llama-3.2-1b", "full", 8, False, tools=FULL_TOOLS)],
@@ -143,9 +145,12 @@ def compiled_graphs() -> int:
 
 
 def clock_callback(spec: dict, record: dict):
-    """Trainer callback: wall time at the end of every optimizer step (GPU synchronised), the logged losses, and the
-    graphs compiled by the end of the warm-up."""
+    """Trainer callback: wall time at the end of every optimizer step (GPU synchronised), the logged losses, the
+    graphs compiled by the end of the warm-up, each step end appended to the run's progress file (what a run cut at
+    its time limit had done), and with --profile a profiler over the steps after the timed ones."""
     from transformers import TrainerCallback
+
+    timed_end = WARMUP + spec["steps"]
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -153,14 +158,68 @@ def clock_callback(spec: dict, record: dict):
                 import torch
                 torch.cuda.synchronize()  # one sync per optimizer step: step ends are real, not queued
             record["ends"].append(time.time())
+            with open(spec["progress"], "a") as progress:
+                progress.write(f"{record['ends'][-1] - spec['t0']:.1f}\n")
             if len(record["ends"]) == WARMUP:
                 record["graphs_at_warmup"] = compiled_graphs()
+            if len(record["ends"]) == timed_end:
+                record["graphs_at_timed_end"] = compiled_graphs()
+                if spec.get("profile"):
+                    record["profiler"] = start_profiler(spec["device"])
+            if len(record["ends"]) == timed_end + PROFILED and "profiler" in record:
+                seconds = record["ends"][-1] - record["ends"][timed_end - 1]
+                record["profile"] = kernel_breakdown(record.pop("profiler"), spec["device"], PROFILED, seconds)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 record["losses"].append(float(logs["loss"]))
 
     return Clock()
+
+
+# --profile: where a step's time goes, for the next change to aim at. Kernels are sorted by their names (cuBLAS's
+# sm90_xmma/nvjet/cutlass GEMMs, flash attention, AdamW's multi-tensor kernels, copies); a Triton kernel (from
+# torch.compile or Liger) is named by its Python function, a bare identifier, where CUDA C++ kernels carry `void` and
+# namespaces. On CPU torch's operators stand in for kernels (a check that the path runs, not a profile to read).
+PROFILED = 2  # steps profiled after the timed ones, so the profiler's overhead is never in tokens/s
+KERNEL_KINDS = (("matmul", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm")),
+                ("attention", ("flash", "fmha", "attention", "varlen")),
+                ("optimizer", ("adam", "multi_tensor", "foreach")),
+                ("copy/cast", ("copy", "cast", "memcpy", "memset", "fill")))
+
+
+def kernel_kind(name: str) -> str:
+    kind = next((kind for kind, marks in KERNEL_KINDS if any(mark in name.lower() for mark in marks)), None)
+    return kind or ("triton" if name.isidentifier() else "other")
+
+
+def start_profiler(device: str):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    profiler = profile(activities=activities)
+    profiler.start()
+    return profiler
+
+
+def kernel_breakdown(profiler, device: str, steps: int, seconds: float) -> dict:
+    """Milliseconds per step by kind of kernel (self time), the busiest kernels, and the step's wall time not covered
+    by kernels (`idle_ms`: the GPU waiting on the host: launches, Python, syncs)."""
+    from torch.autograd import DeviceType
+
+    profiler.stop()
+    kind = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
+    times = {}
+    for event in profiler.key_averages():
+        if event.device_type == kind and (device == "cuda" or event.key.startswith("aten::")):
+            times[event.key] = (event.self_device_time_total if device == "cuda" else event.self_cpu_time_total) / 1e3
+    per_kind = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["triton", "other"], 0.0)
+    for name, ms in times.items():
+        per_kind[kernel_kind(name)] += ms / steps
+    busy = sum(per_kind.values())
+    top = sorted(times.items(), key=lambda item: -item[1])[:12]
+    return {"step_ms": 1e3 * seconds / steps, "kernel_ms": busy, "idle_ms": max(1e3 * seconds / steps - busy, 0.0),
+            "by_kind_ms": per_kind, "top_kernels_ms": {name[:90]: ms / steps for name, ms in top}}
 
 
 def example_lengths(inputs: dict) -> list[int]:
@@ -200,7 +259,8 @@ def common_args(spec: dict) -> dict:
     cuda = spec["device"] == "cuda"
     return {"output_dir": str(Path(spec["workdir"]) / f"out-{spec['method']}-{spec['tool']}"),
             "per_device_train_batch_size":
-            spec["batch"], "max_steps": spec["steps"] + WARMUP, "learning_rate": 1e-4, "lr_scheduler_type": "constant",
+            spec["batch"], "max_steps": spec["steps"] + WARMUP + (PROFILED if spec.get("profile") else 0),
+            "learning_rate": 1e-4, "lr_scheduler_type": "constant",
             "logging_steps": 1, "save_strategy": "no", "report_to": "none", "seed": 0, "bf16": cuda,
             "use_cpu": not cuda}
 
@@ -257,7 +317,7 @@ def sft_trainer(spec: dict, callback, extra: dict | None = None):
         "dataset_format": "prompt_completion", "max_length": spec["max_length"], "packing": spec["packing"],
         "dtype": "bfloat16" if spec["device"] == "cuda" else "float32",
         "attn_implementation": "sdpa",
-        "gradient_checkpointing": spec["checkpointing"], "use_peft": peft, "load_in_4bit": spec["method"] == "qlora"}
+        "activation_checkpointing": spec["checkpointing"], "use_peft": peft, "load_in_4bit": spec["method"] == "qlora"}
     if peft:
         recipe |= {"lora_r": LORA["r"], "lora_alpha": LORA["alpha"], "lora_dropout": LORA["dropout"]}
     config = load_recipe(recipe | spec.get("settings", {}) | (extra or {}))
@@ -333,8 +393,9 @@ def worker(spec: dict) -> dict:
     count_batches(trainer, record)
     trainer.train()
     record["batches"] = [batch_counts(b) for b in record.pop("inputs")]
-    ends, timed = record["ends"], record["batches"][WARMUP:]
-    seconds = ends[-1] - ends[WARMUP - 1]
+    last = WARMUP + spec["steps"] - 1  # the timed steps' last end: profiled steps come after it
+    ends, timed = record["ends"], record["batches"][WARMUP:last + 1]
+    seconds = ends[last] - ends[WARMUP - 1]
     tokens, trained, pairs = (sum(b[i] for b in timed) for i in range(3))
     flops = model_flops(trainer.model.config, tokens, pairs, frozen=spec["method"] != "full")
     cuda = spec["device"] == "cuda"
@@ -349,23 +410,34 @@ def worker(spec: dict) -> dict:
             getattr(trainer.args, "loss_kernel", None) == "liger",
             "attention": trainer.model.config._attn_implementation, "torch_compile": trainer.args.torch_compile,
             # graphs compiled during the timed steps (a new input shape or mask type): their compile time is in them
-            "graphs_compiled_timed": compiled_graphs() - record["graphs_at_warmup"],
-            "optim": getattr(trainer.args.optim, "value", trainer.args.optim)}
+            "graphs_compiled_timed": record["graphs_at_timed_end"] - record["graphs_at_warmup"],
+            "optim": getattr(trainer.args.optim, "value", trainer.args.optim)} | (
+        {"profile": record["profile"]} if "profile" in record else {})
 
 
 # ---- orchestration (parent process) ----
 
 def spawn(spec: dict, timeout: float) -> dict:
-    """Run one tool in a fresh process; a failure or time-out is recorded, not fatal, so the suite goes on."""
-    spec = dict(spec, t0=time.time())
+    """Run one tool in a fresh process; a failure or time-out is recorded, not fatal, so the suite goes on. A run cut
+    short says how far it got (its step ends, seconds from its spawn) and the end of what it printed."""
+    progress = Path(spec["workdir"]) / f"progress-{spec['method']}-{spec['tool']}.txt"
+    spec = dict(spec, t0=time.time(), progress=str(progress))
     command = [sys.executable, str(Path(__file__).with_name("bench.py")), "--gpu_worker", json.dumps(spec)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=max(timeout, 1))
-    except subprocess.TimeoutExpired:
-        return {"tool": spec["tool"], "error": f"timed out after {timeout:.0f} s (suite budget)"}
+    except subprocess.TimeoutExpired as cut:
+        stderr = cut.stderr.decode(errors="replace") if isinstance(cut.stderr, bytes) else cut.stderr or ""
+        ends = step_ends(progress)
+        return {"tool": spec["tool"], "error": f"timed out after {timeout:.0f} s (suite budget), {len(ends)} of "
+                f"{spec['steps'] + WARMUP} steps done", "step_ends_s": ends, "stderr_tail": stderr[-1500:]}
     if done.returncode != 0:
-        return {"tool": spec["tool"], "error": done.stderr[-3000:]}
+        return {"tool": spec["tool"], "error": done.stderr[-3000:], "step_ends_s": step_ends(progress)}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def step_ends(progress: Path) -> list[float]:
+    """Seconds from a run's spawn to each optimizer step it finished (its progress file)."""
+    return [float(line) for line in progress.read_text().split()] if progress.exists() else []
 
 
 def ratios(runs: dict, peak: float) -> dict:
@@ -392,7 +464,8 @@ def run_job(job: Job, args, root: Path, peak: float, deadline: float) -> dict:
         (workdir / "model.json").write_text(json.dumps(info))
     result = {"job": asdict(job), "model": json.loads((workdir / "model.json").read_text()), "runs": {}}
     spec = asdict(job) | {"workdir": str(workdir), "device": args.device, "max_length": args.max_length,
-                          "packing": args.packing != "off", "liger": args.liger == "auto"}
+                          "packing": args.packing != "off", "liger": args.liger == "auto",
+                          "profile": args.profile}
     for tool in args.tools.split(",") if args.tools else job.tools:
         if "varlen" in tool.split("-") and args.device != "cuda":
             result["runs"][tool] = {"tool": tool, "error": "skipped: varlen_attn runs on CUDA only"}
@@ -442,11 +515,25 @@ def table(results: dict) -> str:
                          + (f"  {ratio:.2f}x" if ratio else "")
                          + (f"  ({run['graphs_compiled_timed']} graphs compiled in the timed steps)"
                             if run.get("graphs_compiled_timed") else ""))
+        lines += profile_lines(job)
         if job.get("best"):
             best = job["best"]
             lines.append(f"{'':<21}best sft ({best['sft']}) / best trl ({best['trl']}): {best['tokens_per_s']:.2f}x "
                          f"tokens/s, {best['peak_memory_bytes']:.2f}x peak memory; sft MFU {best['sft_mfu']:.1%}")
     return "\n".join(lines)
+
+
+def profile_lines(job: dict) -> list[str]:
+    """--profile: each run's step split by kind of kernel (ms per step), and its busiest kernel."""
+    lines = []
+    for tool, run in job.get("runs", {}).items():
+        if "profile" in run:
+            prof = run["profile"]
+            kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in prof["by_kind_ms"].items() if ms >= 0.05)
+            busiest = next(iter(prof["top_kernels_ms"].items()), ("-", 0.0))
+            lines.append(f"{'':<21}profile {tool}: step {prof['step_ms']:.1f} ms = kernels {prof['kernel_ms']:.1f} "
+                         f"({kinds}) + idle {prof['idle_ms']:.1f}; busiest: {busiest[0][:50]} {busiest[1]:.1f} ms")
+    return lines
 
 
 def error_line(stderr: str) -> str:

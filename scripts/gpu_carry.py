@@ -22,19 +22,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / ".gpu"
-# Missing on the device image or older there (peft: whichever the image has, sft and trl are tested on this one);
-# liger-kernel is not installed here, so its newest release is taken.
-PACKAGES = ("transformers", "huggingface_hub", "peft", "datasets", "trl", "bitsandbytes", "dill", "multiprocess",
-            "xxhash", "rouge_score", "liger-kernel")
+# Missing on the device image or older there (peft: the image had 0.21.0); liger-kernel is not installed here, so
+# its newest release is taken. Not huggingface_hub: the image's 1.33 serves transformers 5.24 and datasets 5.2
+# (>= 1.31), and this machine's 2.x imports httpx2, which the image lacks (seen on the H100, 2026-11-26).
+PACKAGES = ("transformers", "peft", "datasets", "trl", "bitsandbytes", "dill", "multiprocess", "xxhash",
+            "rouge_score", "liger-kernel")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64")
 # What scripts/bench.py and scripts/bench_gpu.py read (MODELS' tokenizers, the CPU default's, the Alpaca rows).
 FIXTURE_PATHS = ("alpaca/alpaca_data_1k.json", "tokenizers/qwen2.5-coder-3b-instruct",
                  "tokenizers/meta-llama-3-8b-instruct", "tokenizers/mistral-7b-instruct-v0.3")
 KEEP_NATIVE = re.compile(r"libbitsandbytes_(cpu|cuda13\d)\.so$")  # the device: torch 2.11+cu130
-PREFIX = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "
-          ".gpu/wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD SFT_FIXTURES=$PWD/.gpu/fixtures HF_HUB_OFFLINE=1 "
-          "HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 || exit;")  # unbuffered: a call cut at its limit keeps the log
+PREFIX = ("rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "
+          "--target /tmp/site .gpu/wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD SFT_FIXTURES=$PWD/.gpu/fixtures HF_HUB_OFFLINE=1 "
+          "HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 || exit;")  # unbuffered: a call cut at its limit keeps the log;
+# rm: a warm machine keeps /tmp/site, and pip --target leaves an installed package as it was
 
 
 def pinned(name: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_gpu import SUITES, best_against_best, job_deadline, tool_settings  # noqa: E402
+from bench_gpu import SUITES, best_against_best, job_deadline, kernel_kind, tool_settings  # noqa: E402
 
 
 def test_modifiers_compose_into_the_settings_each_tool_runs_with():
@@ -59,3 +59,16 @@ def test_every_suite_job_runs_known_tools_sft_and_trl_first():
         for job in jobs:
             bases = [tool_settings(tool)[0] for tool in job.tools]
             assert bases[:2] == ["sft", "trl"]
+
+
+def test_profiled_kernels_are_sorted_by_kind_from_their_names():
+    """--profile's split of a step: names as torch's profiler reports H100 kernels. Triton kernels (compiled blocks,
+    Liger) are bare identifiers; a C++ elementwise kernel is not one, though its name also ends in `kernel`."""
+    kinds = {"nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT": "matmul", "sm90_xmma_gemm_bf16bf16_bf16f32_f32": "matmul",
+             "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>(Flash_fwd_params)": "attention",
+             "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+             "Memcpy DtoD (Device -> Device)": "copy/cast", "triton_poi_fused_add_mul_silu_0": "triton",
+             "_rms_norm_forward_kernel": "triton", "liger_cross_entropy_kernel": "triton",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "other",
+             "aten::mm": "matmul", "aten::scatter_add_": "other"}
+    assert {name: kernel_kind(name) for name in kinds} == kinds
