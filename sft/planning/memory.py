@@ -155,7 +155,9 @@ def head_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: 
     vocab, h = arch.vocab_size, arch.hidden_size
     if not chunked_loss_applies(config, arch):
         return tokens * vocab * FULL_LOGIT_BYTES
-    logits = min(chunk_rows(vocab), tokens) * vocab * 10  # float32 logits (probabilities in place), bf16 gradient
+    # one chunk: float32 logits (probabilities in place) beside the bf16 product they are cast from, then beside
+    # their bf16 gradient (6 bytes a logit, traced; the previous chunk's are freed first)
+    logits = min(chunk_rows(vocab), tokens) * vocab * 6
     # the head's gradient is accumulated in float32 and scaled once more in backward (2 x 4 bytes) then cast
     weight_grad = vocab * h * 10 if trainable else 0
     if setup.method == "qlora":  # k-bit preparation made the head float32: autocast casts it to bf16 per chunk
@@ -233,11 +235,13 @@ def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, 
     scale = activation_scale(config)
     ch, ci = EVAL_LAYER_BYTES[setup.method]
     decoder = tokens * (ch * h + ci * arch.intermediate_size) * scale + tokens * setup.max_length  # + bool mask
-    # the last hidden state and its trained rows, one chunk of bf16 logits + float32 copy + log-softmax, and the
-    # float32 token losses (chunked_token_losses' output and chunked_forward's per-position tensor)
-    head = tokens * 2 * h * 2 * scale + min(chunk_rows(vocab), tokens) * vocab * 10 + tokens * 8
-    if setup.method == "qlora":  # k-bit preparation made the head float32: autocast casts it to bf16 per chunk
-        head += vocab * h * 2
+    # the last hidden state and its trained rows, the float32 token losses (chunked_token_losses' output and
+    # chunked_forward's per-position tensor), and one chunk at its peak: float32 logits and their log-softmax, or the
+    # bf16 product beside the head's bf16 cast (k-bit preparation made a QLoRA head float32; autocast casts it per
+    # chunk), whichever is larger (traced: the previous chunk's are freed first)
+    rows = min(chunk_rows(vocab), tokens)
+    cast = vocab * h * 2 if setup.method == "qlora" else 0
+    head = tokens * 2 * h * 2 * scale + tokens * 8 + max(rows * vocab * 8, rows * vocab * 2 + cast)
     # autocast keeps its bf16 copy of every float32 adapter weight until the forward ends
     adapters = 2 * model.trainable if setup.method != "full" and scale == 1 else 0
     return int(max(decoder, head) + adapters)

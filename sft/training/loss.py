@@ -72,6 +72,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_hidden[start:start + chunk] = grad_logits @ weight
             if need_weight_grad:
                 grad_weight += (grad_logits.T @ h).float()
+            del logits, probs, grad_logits  # else the next chunk's logits are made while this chunk's still live
         ctx.save_for_backward(grad_hidden, grad_weight if need_weight_grad else torch.empty(0), normalizer)
         ctx.need_weight_grad = need_weight_grad
         return total / normalizer
@@ -230,6 +231,7 @@ def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     for start in range(0, hidden.shape[0], chunk):
         logits = (hidden[start:start + chunk] @ weight.T).float()
         out[start:start + chunk] = F.cross_entropy(logits, targets[start:start + chunk], reduction="none")
+        del logits  # freed before the next chunk's are made
     return out
 
 
