@@ -10,7 +10,11 @@ tokens, the first (1 - fraction) of every row untrained (a masked prompt). --sma
 4 x 256 tokens, fp32. Each variant gets the same random hidden states, head weight and targets (seed 0):
 
 - chunked: what SFTTrainer runs, sft.training.loss.LinearCrossEntropy at the trained rows (hidden[keep]).
-- chunked-4x: the same with 4x the rows per chunk (CHUNK_ELEMENTS x 4: 128 MB of fp32 logits per chunk).
+- chunked-128rows: the same with 128 rows per chunk, sft's chunk before 2026-11-26 (32 MB of fp32 logits at big
+  vocabularies; now 512 MB). Each chunk adds its bf16 weight-gradient product into the fp32 gradient ([vocab,
+  hidden] written in bf16, read, cast, added: about 20 bytes per weight), a cost per chunk, not per row: on CPU
+  (fp32, Qwen2.5-0.5B shape, 2048 trained rows) 128-row chunks took 60.7 s, 512-row 46.5 s, 2048-row 45.5 s.
+- chunked-4x: the same with 4x the rows per chunk (1 GB of fp32 logits per chunk).
 - chunked-compiled (only when named in --variants): `chunked` under torch.compile (compile time is reported apart,
   not in the median). Dynamo unrolls the chunk loop: compile time grows with the chunks (on 2 CPU cores 23 s for 8
   chunks, 47 s for 32), and the issue-19 shapes have 64 to 128 (128 rows each), so it is opt-in.
@@ -49,7 +53,7 @@ from sft.training import loss as sft_loss
 
 SHAPES = {"qwen2.5-0.5b": "qwen/qwen2.5-0.5b", "llama-3.2-1b": "meta-llama/llama-3.2-1b",
           "llama-3.1-8b": "meta-llama/llama-3.1-8b"}
-VARIANTS = ("chunked", "chunked-4x", "chunked-compiled", "liger", "liger-all", "full-logits")
+VARIANTS = ("chunked", "chunked-128rows", "chunked-4x", "chunked-compiled", "liger", "liger-all", "full-logits")
 DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name != "chunked-compiled")
 WARMUP = 2
 
@@ -88,10 +92,11 @@ def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     return total / float(normalizer), h32.grad, w32.grad
 
 
-def chunked(case: Case, factor: int = 1, compiled: bool = False) -> Callable:
-    """LinearCrossEntropy at the trained rows; `compiled`: the kernel under torch.compile, the row selection eager
-    (a boolean index is a data-dependent shape, a graph break there, and in SFTTrainer's compiled forward too)."""
-    chunk = sft_loss.chunk_rows(case.weight.shape[0]) * factor
+def chunked(case: Case, factor: int = 1, compiled: bool = False, rows: int | None = None) -> Callable:
+    """LinearCrossEntropy at the trained rows (`rows` per chunk, else sft's chunk times `factor`); `compiled`: the
+    kernel under torch.compile, the row selection eager (a boolean index is a data-dependent shape, a graph break
+    there, and in SFTTrainer's compiled forward too)."""
+    chunk = rows or sft_loss.chunk_rows(case.weight.shape[0]) * factor
 
     def kernel(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return sft_loss.LinearCrossEntropy.apply(rows, weight, targets, case.normalizer, chunk, 0.0)
@@ -129,6 +134,8 @@ def build(name: str, case: Case) -> Callable:
         return chunked(case)
     if name == "chunked-4x":
         return chunked(case, 4)
+    if name == "chunked-128rows":
+        return chunked(case, rows=128)
     if name == "chunked-compiled":
         return chunked(case, compiled=True)
     if name in ("liger", "liger-all"):

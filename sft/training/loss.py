@@ -33,7 +33,14 @@ from sft.models.adapters import head_layer, head_weight, unwrapped
 from sft.models.families import has_plain_head
 
 MIN_CHUNK_ROWS = 128  # below this the head matmuls get inefficient
-CHUNK_ELEMENTS = 1 << 23  # logits per chunk (32 MB in fp32): a few rows for big vocabularies, more for small ones
+# Logits per chunk: 256 MB in fp32 (441 rows of Qwen2.5's 151,936-token vocabulary, 523 of Llama-3's 128,256, 2048 of
+# a 32k one). Each chunk adds its weight-gradient product into the fp32 gradient (about 20 bytes moved per head weight,
+# whatever its row count), so small chunks make that memory traffic dominate the head on a GPU: a Qwen2.5-0.5B
+# micro-batch of 8 x 2048 (8,936 trained rows) moved 190 GB in 70 chunks of 128 rows (32 MB; about 63 ms of its
+# 334 ms H100 step), 57 GB in 21 of 441. On CPU the head took 46.5 s at 512 rows, 45.5 s at 2048, 60.7 s at 128
+# (BENCHMARKS.md). At the peak a chunk holds 6 bytes a logit: 0.4 GB at Qwen2.5's vocabulary (128 rows held 0.2 GB,
+# at 12 bytes a logit before each chunk's tensors were freed ahead of the next's).
+CHUNK_ELEMENTS = 1 << 26
 
 
 class LinearCrossEntropy(torch.autograd.Function):
