@@ -87,6 +87,37 @@ def test_rouge_stems_words_as_summarisation_papers_do():
     assert rouge(["the cats running"], ["the cat runs"])["rouge1"] == pytest.approx(1.0)
 
 
+ENGLISH = [*PAIRS, ("Jack's cats are running home, he'll see them at 5 p.m.", "The cat ran home at 5pm; Jack sees it."),
+           ("Tara and Jack will go to the garden on Sunday.", "Tara & Jack are going to the gardens this Sunday!")]
+
+
+def test_rouge_on_english_text_is_rouge_scores_own():
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)  # its default tokenizer
+    expected = {kind: sum(scorer.score(r, p)[kind].fmeasure for p, r in ENGLISH) / len(ENGLISH)
+                for kind in ("rouge1", "rouge2", "rougeL")}
+    assert rouge([p for p, _ in ENGLISH], [r for _, r in ENGLISH]) == expected  # exactly
+
+
+@pytest.mark.parametrize("text, other", [
+    ("一只猫坐在垫子上。", "狗跑得很快"), ("猫がマットの上に座っています。", "犬は公園を走る"),
+    ("Кошка сидит на ковре.", "Собака бежит в парке"), ("Ein Mädchen läuft über die Straße.", "Zwei Hunde spielen"),
+    ("नमस्ते दुनिया", "अलविदा दोस्त")])
+def test_rouge_scores_text_in_any_script(text, other):
+    # rouge-score's own tokenizer keeps [a-z0-9] only: it scored each identical pair 0 (German: on "ein", "m",
+    # "dchen", "l", "uft", ...)
+    assert rouge([text], [text]) == {"rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0}
+    assert rouge([other], [text]) == {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
+
+
+def test_rouge_scores_unspaced_scripts_by_character_and_others_by_word():
+    # "Кошка сидит 2024" against "Собака лежит 2024" scored rouge1 1.0 on "2024" alone
+    assert rouge(["Кошка сидит 2024"], ["Собака лежит 2024"])["rouge1"] == pytest.approx(1 / 3)
+    assert rouge(["一只猫"], ["一只狗"]) == pytest.approx({"rouge1": 2 / 3, "rouge2": 1 / 2, "rougeL": 2 / 3})
+    assert rouge(["Ein Mädchen"], ["Ein Mdchen"])["rouge1"] == pytest.approx(1 / 2)  # was 0.4 on "m dchen"
+
+
 def test_bleu_matches_its_definition():
     predictions = ["the quick brown fox jumps over the dog", "a cat sat on the mat today"]
     references = ["the quick brown fox jumps over the lazy dog", "a cat sat on the mat"]

@@ -7,6 +7,8 @@ import path (`my_pkg.metrics:score`), called with the same two lists of strings 
 
 import difflib
 import importlib
+import re
+import unicodedata
 from typing import Callable
 
 from sft.errors import SFTError
@@ -24,13 +26,37 @@ def exact_match(predictions: list[str], references: list[str]) -> dict[str, floa
     return {"exact_match": hits / max(len(references), 1)}
 
 
+# Scripts written without spaces between words: each character is a ROUGE token, as Chinese ROUGE is scored
+# (LCSTS, CLUE) and as sacrebleu's zh tokenizer splits them for BLEU. Han ideographs, kana, halfwidth katakana.
+UNSPACED = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003134f]")
+
+
+class RougeTokenizer:
+    """rouge-score's tokenizer (lowercase, words of letters and digits, Porter stemming of words over 3 characters)
+    for every script: its own keeps [a-z0-9] only, scoring identical Chinese or Russian texts 0 and "Mädchen" as
+    "m dchen". Words are runs of Unicode letters, marks and digits (NFC), an ideograph or kana is a word of its own;
+    ASCII text gets exactly rouge-score's tokens."""
+
+    def __init__(self) -> None:
+        from nltk.stem import porter  # rouge-score's own stemmer (it depends on nltk)
+
+        self.stemmer = porter.PorterStemmer()
+
+    def tokenize(self, text: str) -> list[str]:
+        text = unicodedata.normalize("NFC", text.lower())
+        spaced = "".join(f" {c} " if UNSPACED.match(c) else c if unicodedata.category(c)[0] in "LMN" else " "
+                         for c in text)
+        return [self.stemmer.stem(word) if len(word) > 3 else word for word in spaced.split()]
+
+
 def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
-    """Mean ROUGE-1, ROUGE-2 and ROUGE-L F1 (Google's rouge-score, Porter stemming, as summarisation papers use)."""
+    """Mean ROUGE-1, ROUGE-2 and ROUGE-L F1 (Google's rouge-score, Porter stemming, as summarisation papers use),
+    on RougeTokenizer's words so that text in any script is scored."""
     from rouge_score import (
         rouge_scorer,  # imported on use: only generation evals pay for nltk
     )
 
-    scorer = rouge_scorer.RougeScorer(list(ROUGE_KINDS), use_stemmer=True)
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_KINDS), tokenizer=RougeTokenizer())
     totals = dict.fromkeys(ROUGE_KINDS, 0.0)
     for prediction, reference in zip(predictions, references, strict=True):
         scores = scorer.score(reference, prediction)  # rouge-score takes (target, prediction)
