@@ -141,6 +141,28 @@ def test_flan_t5_tokenizer_ends_sources_and_targets_with_eos(t5_dir, pairs_file,
     assert row["labels"] == t5_tokenizer("Paris")["input_ids"]  # T5 appends </s> itself: same tokens
 
 
+@pytest.mark.skipif(not (FLAN_T5_TOKENIZER / "tokenizer.json").exists(), reason="flan-t5 tokenizer fixture absent")
+def test_generation_eval_keeps_unk_where_t5_cannot_write_a_character():
+    """SAMSum's "Maria Skłodowska-Curie": T5 has no `ł` (nor `{`, `<`, Chinese), the labels hold <unk>. Dropping it
+    with the special tokens scored a reply that left the character out, or an empty reply to a target of such
+    characters, an exact match."""
+    from transformers import GenerationConfig
+
+    from sft.evaluation.metrics import exact_match
+    from sft.evaluation.predict import Example, PromptGenerator
+
+    t5_tokenizer = AutoTokenizer.from_pretrained(FLAN_T5_TOKENIZER)
+    config = GenerationConfig(eos_token_id=[t5_tokenizer.eos_token_id], pad_token_id=t5_tokenizer.pad_token_id)
+    generator = PromptGenerator(None, t5_tokenizer, config, encoder_decoder=True)
+    target, unwritable = (t5_tokenizer(text)["input_ids"] for text in ("Maria Skłodowska-Curie", "猫"))
+    left_out = t5_tokenizer("Maria Skodowska-Curie")["input_ids"]
+    records = [generator.record(Example([5], ids), [5], reply)
+               for ids, reply in ((target, target), (target, left_out), (unwritable, [t5_tokenizer.eos_token_id]))]
+    assert [r["reference"] for r in records] == ["Maria Sk<unk>odowska-Curie"] * 2 + ["<unk>"]
+    assert [r["prediction"] for r in records] == ["Maria Sk<unk>odowska-Curie", "Maria Skodowska-Curie", ""]
+    assert exact_match([r["prediction"] for r in records], [r["reference"] for r in records]) == {"exact_match": 1 / 3}
+
+
 def step_rows(tokenizer) -> list[dict]:
     """Four encoded pairs of very different target lengths."""
     pairs = (("a", "b"), ("hello there", "the capital of France is Paris"), ("c", "d e"), ("f g", "h"))

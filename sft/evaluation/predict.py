@@ -197,10 +197,15 @@ class PromptGenerator:
                 "prediction": self.decode_answer(generated)}
 
     def decode_answer(self, tokens: list[int]) -> str:
-        """Text of the tokens before the first EOS / end-of-turn id, special tokens dropped."""
+        """Text of the tokens before the first EOS / end-of-turn id, special tokens dropped but `<unk>` kept.
+
+        Where a target holds characters the tokenizer cannot write (T5 has no `{`, `<`, `ł`, no Chinese), its labels
+        hold <unk>: dropping it scored an empty prediction an exact match of a target of such characters, and one
+        that left them out as writing them."""
         stops = self.config.eos_token_id if isinstance(self.config.eos_token_id, list) else [self.config.eos_token_id]
         end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
-        return self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        dropped = set(self.tokenizer.all_special_ids) - {self.tokenizer.unk_token_id}
+        return self.tokenizer.decode([t for t in tokens[:end] if t not in dropped], skip_special_tokens=False)
 
 
 def full_parameters(model: nn.Module) -> contextlib.AbstractContextManager:
