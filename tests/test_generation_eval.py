@@ -112,6 +112,29 @@ def test_decoding_settings_come_from_the_recipe(tiny_model_dir, tokenizer, tmp_p
     assert set(config.eos_token_id) == {5, tokenizer.eos_token_id}  # the config's stop ids and the tokenizer's EOS
 
 
+def test_a_recipe_generation_config_without_do_sample_decodes_greedily(tokenizer, tmp_path):
+    """generate() takes what a passed config leaves unset from the model's: a sampling model (do_sample, temperature
+    0.6, top_p 0.9) sampled under a recipe file setting only no_repeat_ngram_size, 3 seeds giving 3 outputs."""
+    model = make_llama(len(tokenizer))
+    model.generation_config.update(do_sample=True, temperature=0.6, top_p=0.9)
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "generation_config.json").write_text('{"no_repeat_ngram_size": 2}')
+    args = SFTConfig(output_dir=str(tmp_path), predict_with_generate=True, generation_config=str(tmp_path / "g"),
+                     max_new_tokens=12)
+    config = eval_generation_config(model, tokenizer, args)
+    assert (config.do_sample, config.num_beams, config.no_repeat_ngram_size) == (False, 1, 2)
+    prompt = torch.tensor([tokenizer("Q: add 1 and 2\nA:")["input_ids"]])
+    outputs = set()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        outputs.add(tuple(model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                         generation_config=config)[0].tolist()))
+    assert len(outputs) == 1
+    (tmp_path / "g" / "generation_config.json").write_text('{"do_sample": true, "top_k": 5}')
+    config = eval_generation_config(model, tokenizer, args)
+    assert (config.do_sample, config.top_k, config.num_beams) == (True, 5, 1)  # sampling where the file asks
+
+
 def test_a_model_published_with_beam_search_is_evaluated_and_generated_greedily(tokenizer, tmp_path):
     """BART-CNN-style generation configs ask for beams; sft's default decoding is greedy, as documented."""
     from sft.evaluation.generation import GenerationOptions, generation_config

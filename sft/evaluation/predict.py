@@ -136,15 +136,19 @@ def read_generation_config(source: str | GenerationConfig) -> GenerationConfig:
 
 def eval_generation_config(model: nn.Module, tokenizer: PreTrainedTokenizerBase, args: Seq2SeqTrainingArguments,
                            overrides: dict[str, Any] | None = None) -> GenerationConfig:
-    """Decoding settings for evaluation: the recipe's generation_config, else the model's made greedy.
+    """Decoding settings for evaluation: the recipe's generation_config (greedy unless it sets do_sample or
+    num_beams), else the model's made greedy.
 
     max_new_tokens (or generation_max_length, taken as new tokens so long prompts still get an answer) and
     generation_num_beams apply on top; generation stops at the tokenizer's EOS, the config's EOS ids and the chat
     template's end-of-turn token. `overrides` are generate() keyword arguments given to evaluate().
     """
     own = None if args.generation_config is None else read_generation_config(args.generation_config)
+    # generate() fills what a config leaves unset (None) from the model's own: a recipe file that does not name
+    # do_sample sampled with a model's do_sample/temperature (metrics changing from run to run). Greedy unless asked.
+    greedy = GREEDY if own is None else {key: value for key, value in GREEDY.items() if getattr(own, key) is None}
     max_new_tokens = args.max_new_tokens if isinstance(args, SFTConfig) else None
-    config = decoding_config(model, tokenizer, own, **(GREEDY if own is None else {}), max_length=None,
+    config = decoding_config(model, tokenizer, own, **greedy, max_length=None,
                              max_new_tokens=max_new_tokens or args.generation_max_length or DEFAULT_MAX_NEW_TOKENS)
     if args.generation_num_beams is not None:
         config.num_beams = args.generation_num_beams
