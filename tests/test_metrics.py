@@ -125,6 +125,18 @@ def test_bleu_matches_its_definition():
     assert bleu(["a b c d e"], ["a b c d e"])["bleu"] == pytest.approx(100.0)
 
 
+def test_bleu_reads_chinese_by_character_as_sacrebleu_does_for_chinese_targets():
+    import sacrebleu
+
+    # 13a read each unspaced sentence as one word: an identical Chinese or Japanese reply scored 0
+    assert bleu(["一只猫坐在垫子上。"], ["一只猫坐在垫子上。"])["bleu"] == pytest.approx(100.0)
+    assert bleu(["猫がマットの上に座っています。"], ["猫がマットの上に座っています。"])["bleu"] == pytest.approx(100.0)
+    assert bleu(["一只狗坐在垫子上。"], ["一只猫坐在垫子上。"])["bleu"] == pytest.approx(
+        sacrebleu.corpus_bleu(["一 只 狗 坐 在 垫 子 上 。"], [["一 只 猫 坐 在 垫 子 上 。"]]).score)
+    english = ["the quick brown fox &amp; the dog", "Ein Mädchen läuft über die Straße."]
+    assert bleu(english[::-1], english) == {"bleu": sacrebleu.corpus_bleu(english[::-1], [english]).score}  # 13a
+
+
 def test_user_metric_by_import_path(tmp_path, monkeypatch):
     (tmp_path / "my_metrics.py").write_text(
         "def score(predictions, references):\n"
