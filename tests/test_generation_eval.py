@@ -135,6 +135,20 @@ def test_a_recipe_generation_config_without_do_sample_decodes_greedily(tokenizer
     assert (config.do_sample, config.top_k, config.num_beams) == (True, 5, 1)  # sampling where the file asks
 
 
+@pytest.mark.parametrize("saved, flags, expected", [
+    ({"max_new_tokens": 40}, {}, 40), ({"max_length": 60}, {}, 60), ({}, {}, 128),
+    ({"max_new_tokens": 40}, {"generation_max_length": 7}, 7), ({"max_length": 60}, {"max_new_tokens": 9}, 9)])
+def test_a_recipe_generation_configs_length_is_kept(tokenizer, tmp_path, saved, flags, expected):
+    """Its max_new_tokens / max_length were replaced by the default 128 (Seq2SeqTrainer uses them where
+    generation_max_length is unset); the recipe's own max_new_tokens or generation_max_length still win."""
+    model = make_llama(len(tokenizer))
+    GenerationConfig(num_beams=2, **saved).save_pretrained(tmp_path / "g")
+    args = SFTConfig(output_dir=str(tmp_path), predict_with_generate=True, generation_config=str(tmp_path / "g"),
+                     **flags)
+    config = eval_generation_config(model, tokenizer, args)
+    assert (config.max_new_tokens, config.max_length, config.num_beams) == (expected, None, 2)
+
+
 def test_a_model_published_with_beam_search_is_evaluated_and_generated_greedily(tokenizer, tmp_path):
     """BART-CNN-style generation configs ask for beams; sft's default decoding is greedy, as documented."""
     from sft.evaluation.generation import GenerationOptions, generation_config

@@ -139,21 +139,29 @@ def eval_generation_config(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
     """Decoding settings for evaluation: the recipe's generation_config (greedy unless it sets do_sample or
     num_beams), else the model's made greedy.
 
-    max_new_tokens (or generation_max_length, taken as new tokens so long prompts still get an answer) and
-    generation_num_beams apply on top; generation stops at the tokenizer's EOS, the config's EOS ids and the chat
-    template's end-of-turn token. `overrides` are generate() keyword arguments given to evaluate().
+    max_new_tokens (see eval_max_new_tokens) and generation_num_beams apply on top; generation stops at the
+    tokenizer's EOS, the config's EOS ids and the chat template's end-of-turn token. `overrides` are generate()
+    keyword arguments given to evaluate().
     """
     own = None if args.generation_config is None else read_generation_config(args.generation_config)
     # generate() fills what a config leaves unset (None) from the model's own: a recipe file that does not name
     # do_sample sampled with a model's do_sample/temperature (metrics changing from run to run). Greedy unless asked.
     greedy = GREEDY if own is None else {key: value for key, value in GREEDY.items() if getattr(own, key) is None}
-    max_new_tokens = args.max_new_tokens if isinstance(args, SFTConfig) else None
     config = decoding_config(model, tokenizer, own, **greedy, max_length=None,
-                             max_new_tokens=max_new_tokens or args.generation_max_length or DEFAULT_MAX_NEW_TOKENS)
+                             max_new_tokens=eval_max_new_tokens(args, own))
     if args.generation_num_beams is not None:
         config.num_beams = args.generation_num_beams
     config.update(**(overrides or {}))
     return config
+
+
+def eval_max_new_tokens(args: Seq2SeqTrainingArguments, own: GenerationConfig | None) -> int:
+    """The recipe's max_new_tokens, else generation_max_length, else the recipe generation_config's max_new_tokens or
+    max_length (as Seq2SeqTrainer reads it when generation_max_length is unset; a length read as new tokens, like
+    generation_max_length, so long prompts still get an answer), else DEFAULT_MAX_NEW_TOKENS."""
+    recipe = args.max_new_tokens if isinstance(args, SFTConfig) else None
+    from_file = None if own is None else own.max_new_tokens or own.max_length
+    return recipe or args.generation_max_length or from_file or DEFAULT_MAX_NEW_TOKENS
 
 
 @dataclass
