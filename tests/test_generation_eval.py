@@ -208,6 +208,25 @@ def test_a_misspelt_metric_stops_training_before_the_model_loads(tiny_model_dir,
     assert "Unknown metric `rogue` in `metrics`. Did you mean `rouge`?" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("generates, warned", [(False, True), (True, False)])
+def test_metrics_without_predict_with_generate_are_warned_about(tiny_model_dir, qa_file, tmp_path, caplog, generates,
+                                                                  warned):
+    # `sft eval recipe --metrics rouge` without generation reported eval_loss alone and said nothing
+    import logging
+
+    from sft.training.flows import check_generation_settings
+
+    config = recipe(tiny_model_dir, qa_file, tmp_path, predict_with_generate=generates, metrics=["rouge", "bleu"])
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        check_generation_settings(config)
+    message = ("`metrics` (rouge, bleu) are computed on generated answers: with predict_with_generate false "
+               "evaluation reports the loss only. Pass --predict_with_generate true for them.")
+    assert (message in caplog.text) == warned
+    caplog.clear()
+    check_generation_settings(recipe(tiny_model_dir, qa_file, tmp_path, predict_with_generate=False))
+    assert "metrics" not in caplog.text  # none asked for: nothing to say
+
+
 def test_dataloader_drop_last_drops_no_eval_row(tiny_model_dir, qa_file, tokenizer, tmp_path):
     """dataloader_drop_last is for training batches: eval scores all 8 rows in batches of 3 (the Trainer dropped the
     last 2, so loss and metrics covered 6 rows, and on 2 processes fewer still)."""

@@ -168,6 +168,9 @@ def check_generation_settings(config: SFTConfig) -> None:
     that Seq2SeqTrainer cannot read when it is built (a traceback), failed after tokenizing and loading the model."""
     if config.predict_with_generate:
         resolve_metrics(config.metrics)
+    elif config.metrics is not None:  # asked for and silently not reported: only generation gives them predictions
+        log.warning("`metrics` (%s) are computed on generated answers: with predict_with_generate false evaluation "
+                    "reports the loss only. Pass --predict_with_generate true for them.", ", ".join(config.metrics))
     if config.generation_config is not None:
         read_generation_config(config.generation_config)
 
