@@ -22,7 +22,7 @@ from sft.training.flows import evaluate
 from sft.training.loss import attach_chunked_loss
 from sft.training.trainer import SFTTrainer
 
-from conftest import reference_causal_loss, write_json
+from conftest import make_llama, reference_causal_loss, write_json
 
 ROWS = [{"prompt": "Add 2 and 3:", "completion": " 5"}, {"prompt": "The capital of France is", "completion": " Paris."}]
 
@@ -223,6 +223,23 @@ def test_sft_eval_of_an_adapter_run_loads_its_base(tmp_path, tiny_model_dir, dat
     assert not (run / "config.json").exists() and (run / "adapter_config.json").is_file()
     metrics = evaluate(recipe(run, data_file, tmp_path / "eval", eval_dataset=str(data_file), packing=True))
     assert math.isfinite(metrics["eval_loss"]) and (tmp_path / "eval" / "eval_results.json").is_file()
+
+
+@pytest.mark.parametrize("bits", ["load_in_4bit", "load_in_8bit"])
+def test_sft_eval_of_a_quantized_base_without_an_adapter_measures_it(tmp_path, tokenizer, data_file, bits):
+    """Evaluating a 4/8-bit base (a QLoRA run's baseline) trains nothing: it was refused with "quantized weights cannot
+    be trained directly", then by the Trainer's own training check. Its loss is the unquantized loss give or take
+    the rounding of the weights. Hidden size 64: bitsandbytes' CPU 4-bit inference needs rows of a whole block."""
+    model_dir = tmp_path / "model"
+    make_llama(len(tokenizer), hidden_size=64, intermediate_size=128).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    keys = dict(use_peft=False, lora_r=16, lora_alpha=32, lora_dropout=0.05, eval_dataset=str(data_file))
+    plain = evaluate(recipe(model_dir, data_file, tmp_path / "plain", **keys))
+    quantized = evaluate(recipe(model_dir, data_file, tmp_path / "quantized", **keys, **{bits: True}))
+    assert quantized["eval_loss"] != plain["eval_loss"]  # the quantized weights were evaluated
+    assert quantized["eval_loss"] == pytest.approx(plain["eval_loss"], abs=0.02)
+    with pytest.raises(SFTError, match=f"{bits}: quantized weights cannot be trained directly"):
+        train(recipe(model_dir, data_file, tmp_path / "train", **keys, **{bits: True}))
 
 
 def test_training_on_an_adapter_folder_needs_use_peft_and_trains_that_adapter(tmp_path, tiny_model_dir, data_file,

@@ -17,14 +17,20 @@ QUANTIZATION_KEYS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb
                      "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "dtype", "bf16", "fp16")
 
 
-def check_quantization(config: SFTConfig) -> None:
-    """Refuse quantization settings that cannot train, before any data or weights load."""
-    if config.load_in_4bit and config.load_in_8bit:
-        raise SFTError("load_in_4bit and load_in_8bit are both true; choose one (4 bit for QLoRA uses less memory).")
+def check_quantized_training(config: SFTConfig) -> None:
+    """Refuse quantization settings that cannot train, before any data or weights load (training only: `sft eval`
+    of a 4- or 8-bit base without an adapter trains nothing and is a legitimate measurement)."""
+    check_quantization(config)
     if (config.load_in_4bit or config.load_in_8bit) and not config.use_peft:
         bits = 4 if config.load_in_4bit else 8
         raise SFTError(f"load_in_{bits}bit: quantized weights cannot be trained directly. Set use_peft: true to "
                        f"train a LoRA adapter on the {bits}-bit base (QLoRA), or drop load_in_{bits}bit.")
+
+
+def check_quantization(config: SFTConfig) -> None:
+    """Refuse quantization settings no command can load with."""
+    if config.load_in_4bit and config.load_in_8bit:
+        raise SFTError("load_in_4bit and load_in_8bit are both true; choose one (4 bit for QLoRA uses less memory).")
     storage = config.bnb_4bit_quant_storage
     if storage is not None and storage not in (*DTYPES, "uint8"):
         raise SFTError(f"bnb_4bit_quant_storage: {storage!r} is not one of uint8, {', '.join(DTYPES)}.")

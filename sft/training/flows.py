@@ -1,8 +1,10 @@
 """train(): what `sft train` does — validate, tokenize, load, fit, save everything a run promises."""
 
+import contextlib
 import json
 import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -26,7 +28,7 @@ from sft.evaluation.predict import read_generation_config
 from sft.models.adapters import check_adapter_training
 from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.loading import load_model, load_model_config
-from sft.models.quantization import check_quantization
+from sft.models.quantization import check_quantized_training
 from sft.training.checkpoints import check_same_batch, is_resumable
 from sft.training.presets import (
     check_launcher,
@@ -146,7 +148,7 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
         raise SFTError(problems[0])
     check_launcher(config)
     check_optimizer(config)
-    check_quantization(config)
+    check_quantized_training(config)
     check_adapter_training(config)
     check_generation_settings(config)
     if config.metric_for_best_model is not None:  # eval_keys calls a user metric function once to learn its keys
@@ -304,8 +306,9 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
         raise SFTError("sft eval needs an eval set: set `eval_dataset`, or `eval_split_size` to hold out rows.")
     warn_eval_rows(eval_data, config.max_length)
     model = load_model(config, tokenizer)
-    trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer,
-                                   eval_dataset=eval_data.dataset)
+    with untrained_quantized_base():
+        trainer = trainer_class(model)(model=model, args=config, processing_class=tokenizer,
+                                       eval_dataset=eval_data.dataset)
     metrics = trainer.evaluate()
     metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
     out.mkdir(parents=True, exist_ok=True)
@@ -313,6 +316,20 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
     if trainer.is_world_process_zero():
         rundir.claim(out, list(EVAL_FILES))
     return metrics
+
+
+@contextlib.contextmanager
+def untrained_quantized_base() -> Iterator[None]:
+    """Build an eval-only Trainer for a 4- or 8-bit base without an adapter: transformers' Trainer refuses such a
+    model when it is built ("cannot perform fine-tuning on purely quantized models"), for training's sake, and sft
+    eval trains nothing (the quantized base's loss is a QLoRA run's baseline). Training is refused earlier, with
+    sft's own message (check_quantized_training)."""
+    check = transformers.trainer.validate_quantization_for_training
+    transformers.trainer.validate_quantization_for_training = lambda model: None
+    try:
+        yield
+    finally:
+        transformers.trainer.validate_quantization_for_training = check
 
 
 def check_eval_output(out: Path, overwrite: bool, model: str | None) -> None:
