@@ -201,6 +201,21 @@ def test_refusals(monkeypatch):
         attention.register()
 
 
+@pytest.mark.parametrize("name, cuda, installed, problem", [
+    ("flash_attention_2", True, False, "its package is not installed"),
+    ("flash_attention_3", False, True, "this run has no CUDA GPU"),
+    ("flash_attention_2", True, True, None),
+    (VARLEN, True, False, None),
+    ("sdpa", False, False, None),
+])
+def test_attention_a_run_cannot_use_is_named_before_loading(monkeypatch, name, cuda, installed, problem):
+    """Flash attention without its package failed with transformers' ImportError traceback while loading the model."""
+    for flash in attention.FLASH_AVAILABLE:
+        monkeypatch.setitem(attention.FLASH_AVAILABLE, flash, lambda kernels_fallback_ok: installed)
+    found = attention.attention_problem(name, cuda=cuda, cpu_training=False)
+    assert found is None if problem is None else problem in found
+
+
 def test_recipe_loads_varlen_and_packs_flattened(tiny_model_dir, tokenizer, tmp_path):
     config = SFTConfig(output_dir=str(tmp_path), model_name_or_path=str(tiny_model_dir), attn_implementation=VARLEN,
                        packing=True, use_cpu=True, report_to="none")

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from sft.errors import SFTError
 from sft.models.families import VARLEN
@@ -57,6 +58,40 @@ def _kernel_style(kernel: Callable) -> tuple[bool, bool, bool]:
         raise SFTError("This torch's varlen_attn takes neither window_size nor is_causal; sft cannot make it causal. "
                        "Use attn_implementation sdpa.")
     return "window_size" in params, "enable_gqa" in params, "scale" in params
+
+
+FLASH_AVAILABLE = {"flash_attention_2": is_flash_attn_2_available, "flash_attention_3": is_flash_attn_3_available}
+
+
+def attention_problem(name: str, cuda: bool, cpu_training: bool) -> str | None:
+    """Why attn_implementation `name` cannot run here (cuda: the run is on a CUDA GPU; cpu_training: it trains on
+    the CPU), or None; asked before any data or weights load, as each would otherwise fail at its first step (varlen,
+    flex) or, with a traceback, while loading the model (flash attention without its package)."""
+    if name == VARLEN and not cuda and varlen_attn is TORCH_VARLEN:  # (tests run a CPU stand-in)
+        return (f"attn_implementation: {VARLEN} runs torch's flash kernel, which needs a CUDA GPU, and this run has "
+                "none (use_cpu, or no GPU). Set attn_implementation: sdpa (packing and padding_free work with it).")
+    if name in FLASH_AVAILABLE and not (cuda and FLASH_AVAILABLE[name](kernels_fallback_ok=True)):
+        reason = "this run has no CUDA GPU (use_cpu, or no GPU)" if not cuda else "its package is not installed"
+        return (f"attn_implementation: {name} needs a CUDA GPU and the flash-attn package, and {reason}. Set "
+                "attn_implementation: sdpa, or install flash-attn on a GPU machine.")
+    if name == "flex_attention" and cpu_training and not flex_backward_on_cpu():
+        return (f"attn_implementation: flex_attention cannot train on the CPU: this torch ({torch.__version__}) has "
+                "no flex attention backward there. Set attn_implementation: sdpa to train on CPU (sft eval may "
+                "keep flex_attention).")
+    return None
+
+
+@functools.cache
+def flex_backward_on_cpu() -> bool:
+    """Whether this torch's flex_attention takes CPU inputs that need gradients (asked, not guessed from versions:
+    torch refuses them before computing anything, so the probe costs microseconds)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    states = torch.zeros(1, 1, 1, 16, requires_grad=True)
+    try:
+        flex_attention(states, states, states)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def register() -> None:

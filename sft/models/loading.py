@@ -4,6 +4,7 @@ the stop ids its generation config lists."""
 import logging
 from pathlib import Path
 
+import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -25,7 +26,7 @@ from sft.models.adapters import (
     load_trained_adapter,
 )
 from sft.models.architectures import model_architecture
-from sft.models.attention import VARLEN
+from sft.models.attention import VARLEN, attention_problem
 from sft.models.attention import register as register_varlen
 from sft.models.families import non_text_towers
 from sft.models.hub import local_files_only
@@ -121,6 +122,16 @@ def auto_model_class(model_config: PretrainedConfig) -> type[AutoModelForCausalL
     """The transformers auto class that loads a model with this config: Seq2Seq for encoder-decoders (T5, BART),
     causal otherwise. Training, `sft generate`/`chat` and `sft merge` all pick it here."""
     return AutoModelForSeq2SeqLM if model_config.is_encoder_decoder else AutoModelForCausalLM
+
+
+def check_attention(config: SFTConfig, training: bool) -> None:
+    """Refuse an attn_implementation this run cannot use (attention_problem), before data or weights load."""
+    if not config.attn_implementation:
+        return
+    cuda = not config.use_cpu and torch.cuda.is_available()
+    problem = attention_problem(config.attn_implementation, cuda, cpu_training=training and config.use_cpu)
+    if problem:
+        raise SFTError(problem)
 
 
 def attention(config: SFTConfig) -> str:

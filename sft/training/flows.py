@@ -27,7 +27,7 @@ from sft.evaluation.metrics import check_best_metric, eval_keys, resolve_metrics
 from sft.evaluation.predict import read_generation_config
 from sft.models.adapters import check_adapter_training
 from sft.models.families import check_packing_supported, flattened_batches
-from sft.models.loading import load_model, load_model_config
+from sft.models.loading import check_attention, load_model, load_model_config
 from sft.models.quantization import check_quantized_training
 from sft.training.checkpoints import check_same_batch, is_resumable
 from sft.training.presets import (
@@ -149,6 +149,7 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     check_launcher(config)
     check_optimizer(config)
     check_quantized_training(config)
+    check_attention(config, training=True)
     check_adapter_training(config)
     check_generation_settings(config)
     if config.metric_for_best_model is not None:  # eval_keys calls a user metric function once to learn its keys
@@ -298,6 +299,7 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
     check_launcher(config, "eval")
     check_eval_output(out, config.overwrite_output_dir, config.model_name_or_path)
     check_generation_settings(config)
+    check_attention(config, training=False)
     config = with_model_limits(config, fitted_max_length(config))
     tokenizer = load_tokenizer(config)
     with config.main_process_first(desc="tokenizing"):
