@@ -201,6 +201,11 @@ class SFTConfig(Seq2SeqTrainingArguments):
         return problems + ([liger] if liger else [])
 
     @property
+    def on_cuda(self) -> bool:
+        """Whether this run's model runs on a CUDA GPU (not use_cpu, and one is visible): CUDA-only kernels ask."""
+        return not self.use_cpu and torch.cuda.is_available()
+
+    @property
     def packs_eval(self) -> bool:
         """Whether eval data is packed: eval_packing, or when unset as the training data is (packing)."""
         return self.packing if self.eval_packing is None else self.eval_packing

@@ -4,7 +4,6 @@ the stop ids its generation config lists."""
 import logging
 from pathlib import Path
 
-import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -128,8 +127,7 @@ def check_attention(config: SFTConfig, training: bool) -> None:
     """Refuse an attn_implementation this run cannot use (attention_problem), before data or weights load."""
     if not config.attn_implementation:
         return
-    cuda = not config.use_cpu and torch.cuda.is_available()
-    problem = attention_problem(config.attn_implementation, cuda, cpu_training=training and config.use_cpu)
+    problem = attention_problem(config.attn_implementation, config.on_cuda, cpu_training=training and config.use_cpu)
     if problem:
         raise SFTError(problem)
 

@@ -25,6 +25,12 @@ def check_quantized_training(config: SFTConfig) -> None:
         bits = 4 if config.load_in_4bit else 8
         raise SFTError(f"load_in_{bits}bit: quantized weights cannot be trained directly. Set use_peft: true to "
                        f"train a LoRA adapter on the {bits}-bit base (QLoRA), or drop load_in_{bits}bit.")
+    if config.load_in_8bit and config.use_peft and config.use_dora and not config.on_cuda:
+        # peft's DoRA dequantizes the weight each forward and, on the CPU only, moves it back with Int8Params.to(),
+        # which drops its scales (SCB): bitsandbytes' next forward then fails on state.SCB being None.
+        raise SFTError("load_in_8bit with use_dora cannot train on the CPU: peft's DoRA hands bitsandbytes back the "
+                       "8-bit weight without its scales there, and the second step fails. Set load_in_4bit: true "
+                       "instead of load_in_8bit (QDoRA trains on CPU), or use_dora: false, or train on a CUDA GPU.")
 
 
 def check_quantization(config: SFTConfig) -> None:
