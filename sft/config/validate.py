@@ -51,6 +51,7 @@ def check_values(config: SFTConfig) -> None:
         raise SFTError("loss_kernel: liger computes the chunked loss, but chunked_loss is false. Set chunked_loss: "
                        "true to use Liger's kernel, or loss_kernel: auto for the plain full-logits loss.")
     check_memory_budget(config.activation_memory_budget, config.torch_compile)
+    check_compile_settings(config.torch_compile_backend, config.torch_compile_mode)
     check_eval_split(config.eval_split_size)
     check_reporting(config.report_to)
     check_eval_plan(config)
@@ -97,6 +98,22 @@ def check_memory_budget(budget: float | None, compiled: bool) -> None:
     if not compiled:
         raise SFTError("activation_memory_budget steers torch_compile's choice of what to recompute, and "
                        "torch_compile is off. Set torch_compile: true, or remove activation_memory_budget.")
+
+
+def check_compile_settings(backend: str | None, mode: str | None) -> None:
+    """torch_compile_backend and torch_compile_mode as accelerate and inductor take them: a misspelt backend failed
+    with accelerate's ValueError traceback once the Trainer was built, a misspelt mode with inductor's RuntimeError
+    at the first step, both after tokenization and model loading."""
+    from accelerate.utils import DynamoBackend
+    from torch._inductor import list_mode_options
+
+    backends = [name.lower() for name in DynamoBackend.__members__ if name != "NO"]
+    if backend is not None and backend.lower() not in backends:
+        raise SFTError(f"Bad value for `torch_compile_backend`: {backend!r}; give one of {', '.join(backends)} "
+                       "(inductor, the default, is what torch_compile is built around).")
+    modes = list(list_mode_options())
+    if mode is not None and (backend or "inductor").lower() == "inductor" and mode not in modes:
+        raise SFTError(f"Bad value for `torch_compile_mode`: {mode!r}; give one of {', '.join(modes)}.")
 
 
 def check_eval_split(size: float) -> None:
