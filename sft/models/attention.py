@@ -12,6 +12,7 @@ torch versions differ: older kernels take `is_causal` (no GQA, no window), newer
 the signature decides, and what the kernel cannot do is done around it (GQA heads repeated) or refused (a window).
 """
 
+import difflib
 import functools
 import inspect
 import math
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
@@ -67,6 +69,12 @@ def attention_problem(name: str, cuda: bool, cpu_training: bool) -> str | None:
     """Why attn_implementation `name` cannot run here (cuda: the run is on a CUDA GPU; cpu_training: it trains on
     the CPU), or None; asked before any data or weights load, as each would otherwise fail at its first step (varlen,
     flex) or, with a traceback, while loading the model (flash attention without its package)."""
+    known = (*ALL_ATTENTION_FUNCTIONS, "eager", VARLEN)
+    if name not in known and not {"|", "/"} & set(name):  # paged|... and Hub kernels (org/repo) are transformers'
+        close = difflib.get_close_matches(name, known, n=1)
+        return (f"attn_implementation: {name!r} is not an attention backend"
+                + (f". Did you mean {close[0]}?" if close else "")
+                + f" Use one of eager, sdpa, flex_attention, flash_attention_2, flash_attention_3 or {VARLEN}.")
     if name == VARLEN and not cuda and varlen_attn is TORCH_VARLEN:  # (tests run a CPU stand-in)
         return (f"attn_implementation: {VARLEN} runs torch's flash kernel, which needs a CUDA GPU, and this run has "
                 "none (use_cpu, or no GPU). Set attn_implementation: sdpa (packing and padding_free work with it).")
