@@ -43,7 +43,11 @@ def test_packed_training_reports_packing_stats(tmp_path, tiny_model_dir):
     assert stats["packing_efficiency"] == pytest.approx(stats["tokens"] / (stats["packed_rows"] * 128))
 
 
-def test_packing_is_refused_for_a_family_that_would_mix_examples(tmp_path, tokenizer, capsys):
+def test_packing_is_refused_for_a_family_that_would_mix_examples(tmp_path, tokenizer, capsys, monkeypatch):
+    def tokenize(*args, **kwargs):  # the refusal needs only the model's config: it comes before any tokenizing
+        raise AssertionError("the data was tokenized before packing was refused")
+
+    monkeypatch.setattr("sft.training.flows.prepare_splits", tokenize)
     folder = tmp_path / "opt"
     OPTConfig(vocab_size=len(tokenizer), hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
               word_embed_proj_dim=32).save_pretrained(folder)

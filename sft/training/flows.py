@@ -110,10 +110,9 @@ def hint_unproven_template(formats: list[str], tokenizer: transformers.PreTraine
 
 def apply_packing(config: SFTConfig, train_set: datasets.Dataset, eval_set: datasets.Dataset | None,
                   stats: DataStats) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """Pack train (and eval, per eval_packing) data after checking the model keeps packed examples apart."""
+    """Pack train (and eval, per eval_packing) data (check_before_loading checked the model keeps them apart)."""
     if not (config.packing or config.packs_eval or config.padding_free):
         return train_set, eval_set
-    check_packing_model(config)
     if config.packing:
         train_set, packed = pack_dataset_with_stats(train_set, config.max_length, config.packing_strategy, config.seed)
         stats.packed_rows, stats.packing_efficiency = packed.packed_rows, packed.packing_efficiency
@@ -150,6 +149,8 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     check_optimizer(config)
     check_quantized_training(config)
     check_attention(config, training=True)
+    if config.packing or config.packs_eval or config.padding_free:
+        check_packing_model(config)  # reads the model's config only: no need to tokenize the data first
     check_adapter_training(config)
     check_generation_settings(config)
     if config.metric_for_best_model is not None:  # eval_keys calls a user metric function once to learn its keys
