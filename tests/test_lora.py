@@ -233,7 +233,7 @@ def test_sft_eval_of_a_quantized_base_without_an_adapter_measures_it(tmp_path, t
     model_dir = tmp_path / "model"
     make_llama(len(tokenizer), hidden_size=64, intermediate_size=128).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    keys = dict(use_peft=False, lora_r=16, lora_alpha=32, lora_dropout=0.05, eval_dataset=str(data_file))
+    keys = {"use_peft": False, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "eval_dataset": str(data_file)}
     plain = evaluate(recipe(model_dir, data_file, tmp_path / "plain", **keys))
     quantized = evaluate(recipe(model_dir, data_file, tmp_path / "quantized", **keys, **{bits: True}))
     assert quantized["eval_loss"] != plain["eval_loss"]  # the quantized weights were evaluated

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from sft.errors import SFTError
