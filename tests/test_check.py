@@ -172,7 +172,47 @@ def test_check_runs_rows_longer_than_its_old_cap(tmp_path, caplog):
     train, evaluation = prepare_splits(load_recipe(values))
     # 64 rows, 8 held out; `history: split` makes an example of each answer
     assert (len(train.dataset), len(evaluation.dataset), train.dropped_rows, train.truncated_rows) == (125, 17, 0, 0)
-    assert values["max_length"] == 1024 and "max_length=2048 is capped at 1024" in caplog.text
+    assert values["max_length"] == 2048 and "capped" not in caplog.text
+
+
+@pytest.mark.skipif(not TOKENIZERS.is_dir(), reason=f"real tokenizers not found at {TOKENIZERS} (set SFT_FIXTURES)")
+def test_check_keeps_prompts_longer_than_1024_tokens(tmp_path):
+    """sft check capped max_length at its stand-in's 1024 positions: a recipe at 4096 whose rows carry a 2068-token
+    system prompt (64 real Alpaca answers after it) failed with 'all 64 rows were dropped because no trained token
+    fits in max_length=1024', though `sft train` runs it. The stand-in now has the recipe's positions."""
+    import json
+
+    from transformers import AutoConfig
+
+    from sft.check.smoke import tiny_recipe
+    from sft.data.build import prepare_splits
+    from sft.training.recipe import load_recipe
+
+    policy = "You are a helpful assistant. Policy: " + " ".join(
+        f"Rule {i}: always answer politely and precisely about topic number {i}." for i in range(120))
+    alpaca = json.loads((FIXTURES / "alpaca" / "alpaca_tiny_100.json").read_text())[:64]
+    data = tmp_path / "long.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [
+        {"role": "system", "content": policy}, {"role": "user", "content": f"{row['instruction']} {row['input']}"},
+        {"role": "assistant", "content": row["output"]}]}) for row in alpaca))
+    recipe = {"model_name_or_path": "Qwen/Qwen2.5-7B", "tokenizer_name_or_path": str(TOKENIZERS / "qwen2.5-coder-3b-"
+              "instruct"), "dataset": str(data), "assistant_only_loss": True, "max_length": 4096,
+              "output_dir": str(tmp_path / "run")}
+    _, values, _ = tiny_recipe(recipe, None, tmp_path)
+    train, evaluation = prepare_splits(load_recipe(values))
+    assert (len(train.dataset), len(evaluation.dataset), train.dropped_rows, train.truncated_rows) == (56, 8, 0, 0)
+    assert min(train.dataset["length"]) > 2068 and values["max_length"] == 4096
+    assert AutoConfig.from_pretrained(values["model_name_or_path"]).max_position_embeddings == 4096
+
+
+@pytest.mark.parametrize("model_type, positions", [("llama", "max_position_embeddings"), ("gpt2", "n_positions"),
+                                                   ("bart", "max_position_embeddings")])
+def test_the_stand_in_has_the_recipes_positions(model_type, positions):
+    """Learned position tables too (GPT-2's under another name); never fewer than the 1024 it always had."""
+    from sft.check.smoke import tiny_architecture
+
+    assert getattr(tiny_architecture(model_type, 1000, 4096), positions) == 4096
+    assert getattr(tiny_architecture(model_type, 1000, 256), positions) == 1024
 
 
 def test_a_tokenizer_under_half_the_models_rows_warns_in_train(caplog):

@@ -44,11 +44,11 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             max_position_embeddings=1024, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
             n_embd=64, n_layer=2, n_head=4, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, head_dim=16)
-# The smoke run's max_length cap: the tiny stand-in's positions. Rows run as the recipe's max_length keeps them up to
-# there; a cap of 256 dropped every Hermes-3 tool row (283 to 748 tokens before the first answer) of a recipe at 2048,
-# and told the user to raise the max_length they had set. The tiny model pads to the longest row, so short data costs
-# the same under any cap.
-CHECK_MAX_LENGTH = TINY["max_position_embeddings"]
+# The smoke run keeps the recipe's max_length, and the tiny stand-in gets as many positions (at least TINY's): a cap at
+# the stand-in's 1024 positions dropped every row with a longer prompt (a long system prompt or tool list before the
+# first answer) and failed a recipe at 4096 that `sft train` runs. Positions cost nothing for rotary families and a
+# max_length x 64 table for learned ones; the run's cost is the sample rows' own lengths (padded to the longest row of
+# a batch, the LM head only at trained positions), so short data costs the same under any max_length.
 GPU_ONLY = {"bf16": False, "tf32": None, "fp16": False, "bf16_full_eval": False}
 # The smoke run is one plain process, on CPU or GPU: sharding needs a launcher (sft launch), and `--prove` trains
 # the recipe's preset on 2 processes under torchrun.
@@ -101,7 +101,7 @@ def tiny_recipe(path: str, flags: list[str] | None, folder: Path) -> tuple[SFTCo
     config = load_recipe(path, flags=flags)
     unset_hf_deepspeed_config()  # validating a ZeRO-3 recipe sets a global that would partition the tiny model
     real = real_architecture(config)
-    if real is not None:  # the tiny stand-in has positions of its own, and the smoke run a shorter max_length
+    if real is not None:  # the tiny stand-in has positions of its own: the real model must have max_length
         fitted_max_length(config, real)
     report = CheckReport(recipe=str(path))
     overrides = cpu_overrides(config, report, folder)
@@ -126,7 +126,7 @@ def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:
                  # what needs evaluations during training, which the 2-step run does not make (refused without them)
                  "load_best_model_at_end": False, "early_stopping_patience": None,
                  "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, "gradient_accumulation_steps": 1,
-                 "max_length": capped_max_length(config), "dataloader_num_workers": 0, "overwrite_output_dir": True,
+                 "max_length": config.max_length, "dataloader_num_workers": 0, "overwrite_output_dir": True,
                  "bnb_4bit_compute_dtype": "float32", "push_to_hub": False}
     attn = config.attn_implementation or ""
     if attn.startswith("flash") or attn == VARLEN:  # half-precision GPU kernels; the smoke run is fp32, maybe on CPU
@@ -142,17 +142,6 @@ def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:
             report.skipped.append("loss_kernel=liger")
             overrides["loss_kernel"] = "auto"
     return overrides
-
-
-def capped_max_length(config: SFTConfig) -> int:
-    """The smoke run's max_length: the recipe's, up to CHECK_MAX_LENGTH; a cap is logged, since rows longer than it
-    are cut or dropped here and not by `sft train` (an error about max_length then is about the cap)."""
-    if config.max_length <= CHECK_MAX_LENGTH:
-        return config.max_length
-    log.info("sft check: max_length=%d is capped at %d here, the positions of the tiny stand-in model; rows longer "
-             "than that are cut here (or dropped when no answer token fits), not by `sft train`. `sft data RECIPE` "
-             "reports them at the recipe's max_length.", config.max_length, CHECK_MAX_LENGTH)
-    return CHECK_MAX_LENGTH
 
 
 def single_process(config: SFTConfig, report: CheckReport) -> dict:
@@ -211,7 +200,7 @@ def tiny_model(config: SFTConfig, report: CheckReport, folder: Path, real: Pretr
     if problem:
         raise SFTError(f"The tokenizer {config.tokenizer_name_or_path or config.model_name_or_path} does not fit the "
                        f"model {config.model_name_or_path}: {problem} (`sft train` would only warn and train on.)")
-    tiny_config = tiny_architecture(report.model_type, len(tokenizer))
+    tiny_config = tiny_architecture(report.model_type, len(tokenizer), config.max_length)
     tiny_config.pad_token_id = tokenizer.pad_token_id
     if tiny_config.is_encoder_decoder:  # T5/BART configs made from scratch name no decoder start token
         tiny_config.decoder_start_token_id = tokenizer.pad_token_id
@@ -243,24 +232,32 @@ def local_tokenizer(config: SFTConfig):
     return AutoTokenizer.from_pretrained(EMBEDDED_TOKENIZER)
 
 
-def tiny_architecture(model_type: str, vocab: int) -> PretrainedConfig:
-    """A 2-layer config of `model_type` over `vocab` tokens. A multimodal one (Gemma-3 4B+: a text model and a vision
+def tiny_architecture(model_type: str, vocab: int, max_length: int = 0) -> PretrainedConfig:
+    """A 2-layer config of `model_type` over `vocab` tokens, with positions for `max_length` tokens (at least TINY's). A multimodal one (Gemma-3 4B+: a text model and a vision
     tower, each a sub-config) gets a tiny text model and tiny towers: the size fields at its top level are none of
     theirs, and the stand-in was built at full size (and failed first on the config's missing vocab_size)."""
     default = AutoConfig.for_model(model_type)
     subs = {key: getattr(default, key) for key in ("text_config", *NON_TEXT_CONFIGS)
             if isinstance(getattr(default, key, None), PretrainedConfig)}
+    positions = max(TINY["max_position_embeddings"], max_length)
     if "text_config" not in subs:
-        return AutoConfig.for_model(model_type, vocab_size=vocab, **_tiny_fields(model_type))
+        return AutoConfig.for_model(model_type, vocab_size=vocab, **_tiny_fields(model_type, positions))
     sizes = {key: _tiny_fields(sub.model_type) for key, sub in subs.items()}
-    sizes["text_config"]["vocab_size"] = vocab
+    sizes["text_config"] |= {"vocab_size": vocab, **_tiny_fields(subs["text_config"].model_type, positions)}
     return AutoConfig.for_model(model_type, **sizes)
 
 
-def _tiny_fields(model_type: str) -> dict:
-    """The TINY size fields that this architecture's config class knows."""
-    known = AutoConfig.for_model(model_type).to_dict()
-    return {k: v for k, v in TINY.items() if k in known}
+def _tiny_fields(model_type: str, positions: int | None = None) -> dict:
+    """The TINY size fields that this architecture's config class knows, with `positions` when given; GPT-2 and its
+    kin name their positions otherwise (n_positions, through the config's attribute_map)."""
+    default = AutoConfig.for_model(model_type)
+    known = default.to_dict()
+    fields = {k: v for k, v in TINY.items() if k in known}
+    name = default.attribute_map.get("max_position_embeddings", "max_position_embeddings")
+    if positions is not None and name in known:
+        fields.pop("max_position_embeddings", None)
+        fields[name] = positions
+    return fields
 
 
 def _final_metrics(run_dir: Path) -> dict:
