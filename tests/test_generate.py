@@ -19,7 +19,7 @@ from sft.evaluation import generation
 from sft.evaluation.generation import GenerationOptions, render_prompt
 from sft.models.saved import load_for_inference
 
-from conftest import EMBEDDED_MODEL, REPO, make_tokenizer
+from conftest import EMBEDDED_MODEL, FIXTURES, REPO, make_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -154,3 +154,42 @@ def test_generate_errors_exit_2_with_a_message(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["chat", str(tmp_path)]) == 2
     assert "neither a model (config.json) nor a LoRA adapter" in capsys.readouterr().err
+
+
+QWEN = FIXTURES / "tokenizers" / "qwen2.5-coder-3b-instruct"
+REASONING = {"qwen3": ("<think>\nThe user wants 2+2.\n</think>\n\nIt is 4.", "assistant\nIt is 4.<|im_end|>"),
+             # R1's generation prompt opens the think block, so the reply starts inside it
+             "deepseekv3": ("The user wants 2+2.\n</think>\n\nIt is 4.", "<｜Assistant｜>\n\nIt is 4.<｜end▁of▁sentence｜>")}
+
+
+@pytest.mark.skipif(not QWEN.is_dir(), reason=f"real tokenizers not found at {QWEN} (set SFT_FIXTURES)")
+@pytest.mark.parametrize("template", REASONING)
+@pytest.mark.parametrize("special", [False, True])  # Qwen3 and R1 register the tags as plain added tokens
+def test_chat_keeps_the_think_tags_its_template_cuts_earlier_reasoning_at(template, special, monkeypatch, capsys):
+    """A tokenizer with <think> and </think> registered as special lost them to skip_special_tokens: `sft chat`
+    printed the reasoning run into the answer and kept it so in the history, and Qwen3's and DeepSeek-R1's templates
+    (which cut an earlier turn's reasoning at </think>) prompted the next turn with the reasoning as the answer."""
+    from tokenizers import AddedToken
+
+    tokenizer = AutoTokenizer.from_pretrained(QWEN)
+    tokenizer.add_tokens([AddedToken(tag, special=special, normalized=False) for tag in ("<think>", "</think>")],
+                         special_tokens=special)
+    tokenizer.chat_template = (FIXTURES / "templates" / f"{template}.jinja").read_text()
+    reply, earlier_turn = REASONING[template]
+    ids = tokenizer(reply + tokenizer.eos_token, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    prompts = []
+
+    def replay(input_ids, streamer, **_):  # the model "writes" the reply token by token
+        prompts.append(tokenizer.decode(input_ids[0]))
+        streamer.put(input_ids)
+        for token in ids[0]:
+            streamer.put(token[None])
+        streamer.end()
+        return torch.cat([input_ids, ids], dim=1)
+
+    monkeypatch.setattr(model, "generate", replay)
+    chat.chat(model, tokenizer, GenerationOptions(), stdin=io.StringIO("2+2?\nand 3+3?\n"))
+    assert earlier_turn in prompts[1] and "wants" not in prompts[1]
+    assert capsys.readouterr().out == f"assistant> {reply}\n" * 2

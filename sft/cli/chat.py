@@ -4,9 +4,9 @@ import sys
 from typing import Iterator, TextIO
 
 from peft import PeftModel
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from sft.evaluation.generation import GenerationOptions, generate
+from sft.evaluation.generation import GenerationOptions, ReplyStreamer, generate
 
 
 def chat(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase, options: GenerationOptions,
@@ -27,8 +27,8 @@ def chat(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase,
             continue
         history.append({"role": "user", "content": line})
         print("assistant> ", end="", flush=True)
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        history.append({"role": "assistant", "content": generate(model, tokenizer, history, options, streamer)})
+        reply = generate(model, tokenizer, history, options, ReplyStreamer(tokenizer))
+        history.append({"role": "assistant", "content": reply})
 
 
 def start_conversation(system: str | None) -> list[dict[str, str]]:

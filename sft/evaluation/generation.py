@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from sft import rundir
+from sft.data.chat_templates import REASONING_TAGS
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT, CHAT_FORMATS
 from sft.data.stops import stop_token_ids
 from sft.errors import SFTError
@@ -127,7 +128,37 @@ def generate(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerB
     with torch.inference_mode():
         output = model.generate(**inputs, generation_config=generation_config(model, tokenizer, options),
                                 streamer=streamer)
-    return tokenizer.decode(reply_tokens(output, inputs["input_ids"], encoder_decoder)[0], skip_special_tokens=True)
+    return decode_reply(tokenizer, reply_tokens(output, inputs["input_ids"], encoder_decoder)[0].tolist())
+
+
+def dropped_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """What skip_special_tokens drops from a reply, less <think> and </think>: a tokenizer that registers them as
+    special (fine-tunes often do) lost them, and `sft chat` fed its history a reply with the reasoning as part of
+    the answer, which reasoning templates (Qwen3, DeepSeek-R1, GLM) cut off at </think> in earlier turns."""
+    special = {*tokenizer.all_special_ids, *(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)}
+    return {i for i in special if tokenizer.convert_ids_to_tokens(i) not in REASONING_TAGS}
+
+
+def decode_reply(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """A reply's text without special tokens (turn ends, padding), its reasoning tags kept."""
+    dropped = dropped_ids(tokenizer)
+    return tokenizer.decode([i for i in ids if i not in dropped], skip_special_tokens=False)
+
+
+class ReplyStreamer(TextStreamer):
+    """Prints a reply as it is generated, as decode_reply writes it (not the prompt)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        super().__init__(tokenizer, skip_prompt=True)
+        self.dropped: set[int] | None = None  # read at the first reply token
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.skip_prompt and self.next_tokens_are_prompt:
+            super().put(value)
+            return
+        self.dropped = dropped_ids(self.tokenizer) if self.dropped is None else self.dropped
+        ids = value[0] if value.dim() > 1 else value
+        super().put(ids[[int(i) not in self.dropped for i in ids.tolist()]])
 
 
 def reply_tokens(output: torch.Tensor, prompt: torch.Tensor, encoder_decoder: bool) -> torch.Tensor:
