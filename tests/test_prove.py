@@ -355,3 +355,27 @@ def test_mask_proof_reads_role_content_dicts_under_conversations():
         pytest.skip(f"fixture chat templates not found at {TEMPLATES}")
     problems, tally = chat_row_proof("qwen2_5", {"conversations": CONVERSATIONS["multi"]["messages"]})
     assert problems == [] and tally["turns"] == 2
+
+
+def test_token_losses_hold_one_rows_logits_at_a_time():
+    """The packing proof took the logits of its 8 examples in one forward pass: 8 rows of 2,200 tokens over Qwen's
+    151,936 tokens are 10.7 GB (twice that with log-softmax), and `--prove` on a recipe with long prompts was killed
+    for memory. Row by row, the losses are the batch's."""
+    from sft.check.prove.batches import token_losses
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1)).eval()
+    ids = torch.randint(3, 50, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0  # a padded row
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    shapes = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                    with_kwargs=True)
+    with torch.no_grad():
+        together = token_losses(model, batch, False)
+        assert shapes == [(1, 7)] * 3
+        alone = [token_losses(model, {k: v[row:row + 1] for k, v in batch.items()}, False) for row in range(3)]
+        assert torch.equal(together, torch.cat(alone))
