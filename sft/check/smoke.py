@@ -233,9 +233,10 @@ def local_tokenizer(config: SFTConfig):
 
 
 def tiny_architecture(model_type: str, vocab: int, max_length: int = 0) -> PretrainedConfig:
-    """A 2-layer config of `model_type` over `vocab` tokens, with positions for `max_length` tokens (at least TINY's). A multimodal one (Gemma-3 4B+: a text model and a vision
-    tower, each a sub-config) gets a tiny text model and tiny towers: the size fields at its top level are none of
-    theirs, and the stand-in was built at full size (and failed first on the config's missing vocab_size)."""
+    """A 2-layer config of `model_type` over `vocab` tokens, with positions for `max_length` tokens (at least TINY's).
+    A multimodal one (Gemma-3 4B+: a text model and a vision tower, each a sub-config) gets a tiny text model and tiny
+    towers: the size fields at its top level are none of theirs, and the stand-in was built at full size (and failed
+    first on the config's missing vocab_size)."""
     default = AutoConfig.for_model(model_type)
     subs = {key: getattr(default, key) for key in ("text_config", *NON_TEXT_CONFIGS)
             if isinstance(getattr(default, key, None), PretrainedConfig)}
