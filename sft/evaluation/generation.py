@@ -132,15 +132,18 @@ def generate(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerB
 
 
 def dropped_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """What skip_special_tokens drops from a reply, less <think> and </think>: a tokenizer that registers them as
-    special (fine-tunes often do) lost them, and `sft chat` fed its history a reply with the reasoning as part of
-    the answer, which reasoning templates (Qwen3, DeepSeek-R1, GLM) cut off at </think> in earlier turns."""
+    """What generated text leaves out (sft chat and generate replies, eval predictions and references): what
+    skip_special_tokens drops, less two kinds of text it would lose. <think> and </think>: a tokenizer that registers
+    them as special (fine-tunes often do) lost them, and `sft chat` fed its history a reply with the reasoning as
+    part of the answer, which reasoning templates (Qwen3, DeepSeek-R1, GLM) cut off at </think> in earlier turns.
+    <unk>: a character the tokenizer cannot write (T5 has no `{`, `<`, `ł`, no Chinese); dropped, an eval scored a
+    reply that left it out as one that wrote it."""
     special = {*tokenizer.all_special_ids, *(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)}
-    return {i for i in special if tokenizer.convert_ids_to_tokens(i) not in REASONING_TAGS}
+    return {i for i in special - {tokenizer.unk_token_id} if tokenizer.convert_ids_to_tokens(i) not in REASONING_TAGS}
 
 
 def decode_reply(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
-    """A reply's text without special tokens (turn ends, padding), its reasoning tags kept."""
+    """A reply's text without special tokens (turn ends, padding), its reasoning tags and <unk> kept."""
     dropped = dropped_ids(tokenizer)
     return tokenizer.decode([i for i in ids if i not in dropped], skip_special_tokens=False)
 

@@ -37,7 +37,7 @@ from sft.config.arguments import SFTConfig
 from sft.data.boundaries import spans
 from sft.data.encode import IGNORE_INDEX
 from sft.errors import SFTError
-from sft.evaluation.generation import GREEDY, decoding_config, reply_tokens
+from sft.evaluation.generation import GREEDY, decode_reply, decoding_config, reply_tokens
 from sft.evaluation.metrics import compute_metrics, resolve_metrics
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -209,15 +209,11 @@ class PromptGenerator:
                 "prediction": self.decode_answer(generated)}
 
     def decode_answer(self, tokens: list[int]) -> str:
-        """Text of the tokens before the first EOS / end-of-turn id, special tokens dropped but `<unk>` kept.
-
-        Where a target holds characters the tokenizer cannot write (T5 has no `{`, `<`, `ł`, no Chinese), its labels
-        hold <unk>: dropping it scored an empty prediction an exact match of a target of such characters, and one
-        that left them out as writing them."""
+        """Text of the tokens before the first EOS / end-of-turn id, as a reply is decoded (generation.decode_reply:
+        special tokens dropped, `<unk>` and reasoning tags kept)."""
         stops = self.config.eos_token_id if isinstance(self.config.eos_token_id, list) else [self.config.eos_token_id]
         end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
-        dropped = set(self.tokenizer.all_special_ids) - {self.tokenizer.unk_token_id}
-        return self.tokenizer.decode([t for t in tokens[:end] if t not in dropped], skip_special_tokens=False)
+        return decode_reply(self.tokenizer, tokens[:end])
 
 
 def full_parameters(model: nn.Module) -> contextlib.AbstractContextManager:
