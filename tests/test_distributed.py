@@ -354,6 +354,28 @@ def test_launch_rejects_bad_overrides_before_starting_processes(capsys):
     assert "Did you mean `learning_rate`" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
+def test_launch_ends_with_the_processes_own_error_and_exit_code(tmp_path):
+    """A recipe error found in the processes (here a misspelt attention backend) is each process's one-line error and
+    exit code 2: run as its own program, accelerate ended it with torch elastic's ChildFailedError traceback and exit
+    code 1. A good run through the same in-process launcher trains on 2 processes and saves the model."""
+    import subprocess
+    import sys
+
+    def launch(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "sft", "launch", "recipes/quickstart.yaml", "--num_processes", "2",
+                               "--output_dir", str(tmp_path / "out"), *flags], cwd=REPO, capture_output=True, text=True,
+                              timeout=600)
+
+    bad = launch("--attn_implementation", "eagr")
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert bad.stderr.count("sft: error: attn_implementation: 'eagr' is not an attention backend") == 2
+    assert "Traceback" not in bad.stderr and "ChildFailedError" not in bad.stderr
+    good = launch("--max_steps", "2")
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_accelerate_accepts_the_launch_command(preset, monkeypatch):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser

@@ -29,7 +29,28 @@ def launch(recipe: str, argv: list[str], preset: str | None = None, num_processe
     print(shlex.join(command), flush=True)
     if dry_run:
         return 0
-    return subprocess.call(command, env={**os.environ, "HF_TOKEN": token} if token else None)
+    if token:
+        os.environ["HF_TOKEN"] = token  # the processes inherit it
+    return run_accelerate(command)
+
+
+def run_accelerate(command: list[str]) -> int:
+    """Run the `accelerate launch` command in this process; the exit code of the first process that failed, or 0.
+
+    Run as its own program, accelerate ends a failed run with torch elastic's ChildFailedError (or a
+    CalledProcessError) traceback and exit code 1, after every process has printed sft's one-line error and exited 2:
+    a recipe typo under `sft launch` read as a crash. Here the processes' own messages and exit code stand."""
+    from accelerate.commands.launch import launch_command as accelerate_launch_command
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        accelerate_launch_command(launch_command_parser().parse_args(command[2:]))
+    except ChildFailedError as failed:
+        return failed.get_first_failure()[1].exitcode or 1
+    except subprocess.CalledProcessError as failed:
+        return failed.returncode
+    return 0
 
 
 def without_secrets(argv: list[str]) -> tuple[list[str], str | None]:
