@@ -1,6 +1,7 @@
 """Safe defaults: no remote code unless asked, safetensors only unless asked, secrets never written or logged."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -68,7 +69,8 @@ def test_sft_launch_hands_the_token_over_in_the_environment_not_the_command(tmp_
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     runs = []
-    monkeypatch.setattr(launcher.subprocess, "call", lambda command, env=None: runs.append((command, env)) or 0)
+    # the processes inherit the launcher's environment (accelerate runs in sft's process): read it at the launch
+    monkeypatch.setattr(launcher, "run_accelerate", lambda command: runs.append((command, dict(os.environ))) or 0)
     recipe = write_recipe(tmp_path, "data/models/tiny-llama", tmp_path / "data.json", tmp_path / "out")
     assert main(["launch", str(recipe), "--num_processes", "2", *flag, "--max_steps", "2"]) == 0
     (command, env), printed = runs[0], capsys.readouterr()
