@@ -257,6 +257,8 @@ class ChatRenderer:
             data["content"] = [{"type": "text", "text": data["content"]}]
         for call in data.get("tool_calls") or []:
             call["function"]["arguments"] = self._inputs.arguments(call["function"]["arguments"])
+        if data.get("tool_calls") and not data["content"] and self._inputs.null_call_content:
+            data["content"] = None  # a call-only message as OpenAI writes it, the only form this template renders
 
     def _trained_turns(self, messages: list[Message]) -> set[int]:
         """Indices of the assistant messages whose tokens are trained."""

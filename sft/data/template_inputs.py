@@ -1,5 +1,6 @@
 """What a chat template reads from a message, found once per template by rendering probes: content as typed parts
-(LLaVA-Next, Idefics3), tool-call arguments as a JSON string (DeepSeek-V3) and reasoning fields (Qwen3, GPT-OSS)."""
+(LLaVA-Next, Idefics3), tool-call arguments as a JSON string (DeepSeek-V3), null content on a call-only message
+(DeepSeek-R1-Distill) and reasoning fields (Qwen3, GPT-OSS)."""
 
 import json
 import re
@@ -20,11 +21,13 @@ class TemplateInputs:
     parts: bool  # content only as a list of typed text parts
     string_arguments: bool  # tool-call arguments concatenated as a JSON string, not serialised with tojson
     reads_reasoning: bool  # reads reasoning_content / thinking: a <think> block in the content moves there
+    null_call_content: bool  # renders a message's tool calls only when its content is null, not ""
 
     @classmethod
     def probe(cls, template: str, compiled: Template, variables: dict) -> "TemplateInputs":
-        return cls(_needs_text_parts(compiled, variables), _needs_string_arguments(compiled, variables),
-                   bool(READS_REASONING.search(template)))
+        string_arguments, null_call_content = _call_form(compiled, variables)
+        return cls(_needs_text_parts(compiled, variables), string_arguments, bool(READS_REASONING.search(template)),
+                   null_call_content)
 
     def arguments(self, arguments: Any) -> Any:
         """Tool-call arguments as the template takes them: a mapping for tojson, or a JSON string for a template
@@ -61,18 +64,18 @@ def _needs_text_parts(compiled: Template, variables: dict) -> bool:
         return False
 
 
-def _needs_string_arguments(compiled: Template, variables: dict) -> bool:
-    """True for templates that concatenate tool-call arguments as a JSON string and fail on the mapping the others
-    serialise with tojson."""
-    def probe(arguments: Any) -> list[dict]:
-        call = {"type": "function", "function": {"name": "sft_probe", "arguments": arguments}}
-        return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-    try:
-        compiled.render(messages=probe({"x": 1}), **variables)
-        return False
-    except TEMPLATE_ERRORS:
-        pass
-    try:
-        return "sft_probe" in compiled.render(messages=probe('{"x": 1}'), **variables)
-    except TEMPLATE_ERRORS:
-        return False
+def _call_form(compiled: Template, variables: dict) -> tuple[bool, bool]:
+    """How a call-only assistant message must reach the template for its tool calls to render: (arguments as a JSON
+    string, content null). DeepSeek-V3 concatenates argument strings and fails on the mapping the others serialise
+    with tojson; DeepSeek-R1-Distill also renders calls only when the content is null (OpenAI's form), dropping them
+    for "", the text rows reach the template with. Neither found (no tool-call format): the usual form."""
+    for content in ("", None):
+        for arguments in ({"x": 1}, '{"x": 1}'):
+            call = {"type": "function", "function": {"name": "sft_probe", "arguments": arguments}}
+            probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content, "tool_calls": [call]}]
+            try:
+                if "sft_probe" in compiled.render(messages=probe, **variables):
+                    return isinstance(arguments, str), content is None
+            except TEMPLATE_ERRORS:
+                continue
+    return False, False
