@@ -193,3 +193,19 @@ def test_a_template_that_renders_calls_only_for_null_content_gets_null_content(c
     # Negative control: a template that renders calls for "" keeps the usual form.
     assert not any(ChatRenderer(family_tokenizer(name)[0])._inputs.null_call_content
                    for name in FAMILIES if name != "deepseek_r1_distill_qwen")
+
+
+def test_a_call_the_template_renders_without_its_name_is_refused_showing_what_it_renders():
+    """Kimi-K2-Thinking writes a call's id where Kimi's ids name the function (functions.NAME:INDEX); with an OpenAI
+    id the function's name is nowhere in the turn. The refusal used to say only "does not render tool_calls"; it
+    now shows the turn as rendered, so the id in the name's place is visible."""
+    tok, stops = family_tokenizer("kimi_k2_thinking")
+    with pytest.raises(SFTError) as error:
+        trained_texts(tok, "kimi_k2_thinking", CONVERSATIONS["tool"], stops)
+    assert ("tool_calls in the turn the model generates (it renders '<think></think><|tool_calls_section_begin|>"
+            '<|tool_call_begin|>call00001<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+            "<|tool_calls_section_end|>'), so it cannot be trained") in str(error.value)
+    assert "\n" not in str(error.value)
+    row = {"messages": [WEATHER, kimi_call(), dict(RESULT, tool_call_id="functions.get_weather:0"), SUNNY],
+           "tools": TOOLS}
+    assert trained_texts(tok, "kimi_k2_thinking", row, stops) == call_texts(KIMI_CALL, "<|im_end|>", "<think></think>")

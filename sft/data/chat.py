@@ -198,9 +198,11 @@ class ChatRenderer:
         calls = [c["function"]["name"] for c in message.data.get("tool_calls") or []]
         dropped += ["tool_calls"] if any(name not in generated for name in calls) else []
         if dropped:
+            # What it renders instead shows why (Kimi-K2-Thinking writes the call's id, not the function's name).
+            shown = generated if len(generated) <= 160 else generated[:160] + "…"
             raise ctx.error(f"the chat template does not render this assistant message's {' and '.join(dropped)} "
-                            "in the turn the model generates, so it cannot be trained", "Use a chat_template that "
-                            "supports it, or remove it from the data.", message.label)
+                            f"in the turn the model generates (it renders {shown!r}), so it cannot be trained",
+                            "Use a chat_template that supports it, or remove it from the data.", message.label)
 
     def _whole_text(self, messages: list[Message], tools: list[dict] | None, text: str, trained: set[int],
                     ctx: Row) -> Rendered:
