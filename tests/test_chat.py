@@ -594,3 +594,16 @@ def test_another_model_s_tokenizer_is_refused_at_the_generation_config_s_stop_id
     with pytest.raises(SFTError, match="the tokenizer is not this model's") as error:
         stop_tokens(fixture_tokenizer(tokenizer), None, PUBLISHED_GENERATION_EOS[model])
     assert read in str(error.value) and "leave tokenizer_name_or_path unset" in str(error.value)
+
+
+def test_a_template_the_sandbox_refuses_is_named_not_the_row(chatml_tok):
+    """A template that appends to a list (llama.cpp's edit of Kimi-K2-Thinking's: `tool_response_queue.ids.append`)
+    fails in transformers' sandbox on every row with tool calls. The hint blamed the row's messages."""
+    template = ("{%- set ns = namespace(ids=[]) -%}{%- for m in messages -%}{%- set _ = ns.ids.append(m.role) -%}"
+                "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor -%}"
+                "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+    message = error_for(ChatRenderer(chatml_tok, template), {"messages": [
+        {"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hello."}]})
+    assert "rejected the conversation (SecurityError: access to attribute 'append' of 'list' object is unsafe.)" in message
+    assert "changes a list or dict in place" in message and "{% set x = x + [item] %}" in message
+    assert "Fix the row's messages" not in message

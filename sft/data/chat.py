@@ -21,6 +21,7 @@ import logging
 import re
 from dataclasses import dataclass
 
+from jinja2.exceptions import SecurityError
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
@@ -280,9 +281,12 @@ class ChatRenderer:
             return self._compiled.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=generation_prompt, **self._variables)
         except TEMPLATE_ERRORS as exc:
-            # The template's own words say what it wants; only an alternation complaint gets that hint.
+            # The template's own words say what it wants; only an alternation complaint gets that hint. A sandbox
+            # refusal is the template's, not the row's: it fails on every row, in apply_chat_template too.
             hint = ("Alternate user and assistant turns in the row" if "alternate" in str(exc)
-                    else "Fix the row's messages to fit the template")
+                    else "The template changes a list or dict in place, which transformers' sandboxed Jinja refuses "
+                    "(llama.cpp's edit of Kimi-K2-Thinking's appends to a list); write it as `{% set x = x + [item] "
+                    "%}`" if isinstance(exc, SecurityError) else "Fix the row's messages to fit the template")
             raise ctx.error(f"the chat template rejected the conversation ({type(exc).__name__}: {exc})",
                             f"{hint}, or choose another chat_template.") from None
 
