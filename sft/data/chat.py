@@ -285,8 +285,8 @@ class ChatRenderer:
             # refusal is the template's, not the row's: it fails on every row, in apply_chat_template too.
             hint = ("Alternate user and assistant turns in the row" if "alternate" in str(exc)
                     else "The template changes a list or dict in place, which transformers' sandboxed Jinja refuses "
-                    "(llama.cpp's edit of Kimi-K2-Thinking's appends to a list); write it as `{% set x = x + [item] "
-                    "%}`" if isinstance(exc, SecurityError) else "Fix the row's messages to fit the template")
+                    "(`.append(...)`, `.update(...)`) on every row; write it as `{% set x = x + [item] %}`"
+                    if isinstance(exc, SecurityError) else "Fix the row's messages to fit the template")
             raise ctx.error(f"the chat template rejected the conversation ({type(exc).__name__}: {exc})",
                             f"{hint}, or choose another chat_template.") from None
 
