@@ -7,18 +7,29 @@ byte-level tokenizer of test_template_masks.py, with each family's special token
 """
 
 import copy
-import re
 from functools import cache
 from pathlib import Path
 
 import pytest
+from test_template_masks import (
+    CALL,
+    CONVERSATIONS,
+    NO_CALLS,
+    NO_REASONING,
+    RESULT,
+    SUNNY,
+    TOOLS,
+    WEATHER,
+    answers,
+    base_tokenizer,
+    reasoned,
+    trained_texts,
+)
 
 from sft.data.chat import ChatRenderer
 from sft.errors import SFTError
 
 from conftest import FIXTURES
-from test_template_masks import (CALL, CONVERSATIONS, NO_CALLS, NO_REASONING, RESULT, SUNNY, TOOLS, WEATHER,
-                                 answers, base_tokenizer, reasoned, trained_texts)
 
 HERE = Path(__file__).parent / "templates"
 pytestmark = pytest.mark.skipif(not (FIXTURES / "tokenizers").is_dir(),
