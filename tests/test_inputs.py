@@ -259,6 +259,43 @@ def test_a_folder_of_split_files_trains_on_its_train_split_only(tmp_path, caplog
     assert rows_of(plain) == rows
 
 
+CARD = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: stuff/mytrain.parquet
+  - split: test
+    path: stuff/heldout.parquet
+- config_name: small
+  data_files: stuff/heldout.parquet
+---
+# A dataset repository as `git clone`d from the Hub
+"""
+
+
+def test_a_folder_reads_the_splits_its_readme_card_declares(tmp_path):
+    """A Hub dataset repository names its splits in README.md `configs`, not always in file names: a clone with
+    stuff/mytrain.parquet (train) and stuff/heldout.parquet (test) trained on both, 125 rows for 120 (the 5 test rows
+    trained on, without a word). `name` picks a config, `data_dir` a subfolder, as load_dataset(folder) reads them."""
+    import datasets
+
+    rows = ROWS * 3
+    repo = tmp_path / "repo"
+    (repo / "stuff").mkdir(parents=True)
+    datasets.Dataset.from_list(rows[:-2]).to_parquet(str(repo / "stuff" / "mytrain.parquet"))
+    datasets.Dataset.from_list(rows[-2:]).to_parquet(str(repo / "stuff" / "heldout.parquet"))
+    (repo / "README.md").write_text(CARD)
+    assert rows_of(repo) == rows[:-2] and rows_of(repo, "test[:1]") == rows[-2:-1]
+    assert load_source(Source(str(repo), name="small")).to_list() == rows[-2:]
+    with pytest.raises(SFTError, match=r"README.md has no config 'big' \(configs: default, small\)"):
+        load_source(Source(str(repo), name="big"))
+    assert load_source(Source(str(tmp_path), data_dir="repo", name="small")).to_list() == rows[-2:]
+    (repo / "README.md").unlink()
+    with pytest.raises(SFTError, match="selects a config of a README.md `configs` list, and the folder has none"):
+        load_source(Source(str(repo), name="small"))
+
+
 def test_csv_cells_are_the_text_written(tmp_path):
     """pandas reads "NA", "N/A", "None", "null" and "nan" cells as missing: an Alpaca input "NA" became None and the
     row trained with the no-input prompt, an answer "None" was refused as missing. Each cell is its text; an empty

@@ -13,6 +13,7 @@ from typing import Any
 import datasets
 from datasets.data_files import DEFAULT_PATTERNS_ALL, DataFilesDict, get_data_patterns
 
+from sft.data.cards import card_patterns
 from sft.errors import SFTError
 from sft.models.loading import looks_local
 
@@ -87,7 +88,9 @@ def _weight(weight: Any, path: Any, key: str) -> float:
 def load_source(source: Source) -> datasets.Dataset:
     """One source as a Dataset with its columns renamed; local files get errors that name the file and line."""
     path = Path(source.path).expanduser()
-    ds = _load_local(path, source.split) if path.exists() else _load_hub(source)
+    if path.is_dir() and source.data_dir:  # as load_dataset(folder, data_dir=...) reads it; it was ignored
+        path = path / source.data_dir
+    ds = _load_local(path, source.split, source.name) if path.exists() else _load_hub(source)
     return rename_columns(ds, source)
 
 
@@ -135,7 +138,7 @@ def _data_files(path: Path) -> list[Path]:
                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
 
 
-def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
+def _load_local(path: Path, split: str = "train", config: str | None = None) -> datasets.Dataset:
     if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
         return _load_saved(path, split)
     files = _data_files(path)
@@ -143,7 +146,7 @@ def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
         raise SFTError(f"Dataset folder {path} holds no {', '.join(FILE_TYPES)} files.")
     if path.is_file() and path.suffix not in FILE_TYPES:  # a folder's files are filtered by type
         raise _unread_type(path)
-    files, split = _split_files(path, files, split)
+    files, split = _split_files(path, files, split, config)
     kinds = {FILE_TYPES[f.suffix] for f in files}
     if len(kinds) > 1:
         raise SFTError(f"Dataset {path}: use one file type among {', '.join(FILE_TYPES)} (found {sorted(kinds)}).")
@@ -160,19 +163,22 @@ def _load_local(path: Path, split: str = "train") -> datasets.Dataset:
         raise SFTError(f"Could not read dataset {path}: {_first_line(err)}") from None
 
 
-def _split_files(path: Path, files: list[Path], split: str) -> tuple[list[Path], str]:
+def _split_files(path: Path, files: list[Path], split: str, config: str | None) -> tuple[list[Path], str]:
     """The files of `split` in a folder laid out in splits as `datasets` reads one (train/validation/test, also dev
     and eval, in file or folder names: train.jsonl beside test.jsonl, a Hub repository's
-    data/test-00000-of-00001.parquet), and the spec selecting their rows ("test[:10]" -> "train[:10]": the chosen
+    data/test-00000-of-00001.parquet, or the `configs` of its README.md: sft.data.cards), and the spec selecting their rows ("test[:10]" -> "train[:10]": the chosen
     files are one split). A folder without split names is one training split. Every file used to be read as
     training data, so a folder's test and validation rows were trained on, without a word."""
     if not path.is_dir():
         return files, split
-    patterns = get_data_patterns(str(path))
+    patterns = card_patterns(path, config) or get_data_patterns(str(path))
     if patterns == DEFAULT_PATTERNS_ALL:
         return files, split
-    named = {str(name): {Path(f).resolve() for f in found}
-             for name, found in DataFilesDict.from_patterns(patterns, str(path)).items()}
+    try:
+        named = {str(name): {Path(f).resolve() for f in found}
+                 for name, found in DataFilesDict.from_patterns(patterns, str(path)).items()}
+    except FileNotFoundError as err:  # a card's pattern that matches no file
+        raise SFTError(f"Dataset folder {path}: {_first_line(err)}. Fix the README.md `configs` paths.") from None
     parts = {name: [f for f in files if f.resolve() in found] for name, found in named.items()}
     parts = {name: part for name, part in parts.items() if part}
     name = split.partition("[")[0]
