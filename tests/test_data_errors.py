@@ -15,6 +15,12 @@ CASES = {
     "list_value.json": ([GOOD, {"instruction": ["x"], "output": "y"}], "row 2: field `instruction` is list"),
     "empty_output.json": ([GOOD, {"instruction": "x", "output": "  "}], "row 2: field `output` is empty"),
     "empty_row.json": ([GOOD, {}], "row 2: expected a non-empty JSON object"),
+    # An empty row of JSON Lines was "empty_row.jsonl mixes formats: row 1 is alpaca, row 2 is in no format (keys )".
+    "empty_row.jsonl": (json.dumps(GOOD) + "\n{}\n", "empty_row.jsonl, line 2: expected a JSON object, got an empty "
+                        "one, {}. Remove the line or fill in the row."),
+    # A row of nulls (a Parquet or CSV row of missing cells reads the same): the same "mixes formats" message.
+    "null_row.jsonl": (json.dumps(GOOD) + '\n{"instruction": null, "input": null, "output": null}\n',
+                       "null_row.jsonl, row 2 is empty: every field is null or missing. Remove the row."),
     "empty.json": ("", "is empty"),
     "bad_line.jsonl": (json.dumps(GOOD) + '\n{"instruction": "x", "output": }\n', "bad_line.jsonl, line 2: invalid JSON"),
     "non_utf8.jsonl": (json.dumps(GOOD).encode() + b'\n{"instruction": "\xff", "output": "y"}\n', "line 2: bytes that are not UTF-8"),

@@ -68,6 +68,8 @@ def check_one_format(raw: Any, fmt: str, where: str) -> None:
         return
     row, ours = int(np.flatnonzero(other)[0]), np.flatnonzero(~other)
     keys = [key for key, value in raw[row].items() if value is not None]
+    if not keys:  # was "mixes formats: ... row N is in no format (keys )"
+        raise SFTError(f"Dataset {where}, row {row + 1} is empty: every field is null or missing. Remove the row.")
     try:
         theirs = detect_format(keys, where)
     except SFTError:

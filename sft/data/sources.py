@@ -317,7 +317,7 @@ def _check_json(path: Path, text: str) -> None:
         return
     lines = text.splitlines()
     try:  # fast path: one parse of all lines; the per-line scan below only runs to locate a problem
-        if all(isinstance(row, dict) for row in json.loads("[" + ",".join(l for l in lines if l.strip()) + "]")):
+        if all(isinstance(row, dict) and row for row in json.loads("[" + ",".join(l for l in lines if l.strip()) + "]")):
             return
     except json.JSONDecodeError:
         pass
@@ -329,8 +329,10 @@ def _check_json(path: Path, text: str) -> None:
         except json.JSONDecodeError as err:
             raise SFTError(f"Dataset file {path}, line {number}: invalid JSON ({err.msg}). "
                            "Each line of a .jsonl file must be one JSON object.") from None
-        if not isinstance(row, dict):
-            raise SFTError(f"Dataset file {path}, line {number}: expected a JSON object, got {type(row).__name__}.")
+        if not isinstance(row, dict) or not row:  # {} was reported as a row "in no format (keys )" of a mixed file
+            got = "an empty one, {}" if isinstance(row, dict) else type(row).__name__
+            raise SFTError(f"Dataset file {path}, line {number}: expected a JSON object, got {got}. Remove the line or "
+                           "fill in the row.")
 
 
 def _check_rows_are_objects(path: Path, rows: Any) -> None:
