@@ -25,10 +25,11 @@ CASES = {
     "bad_line.jsonl": (json.dumps(GOOD) + '\n{"instruction": "x", "output": }\n', "bad_line.jsonl, line 2: invalid JSON"),
     "non_utf8.jsonl": (json.dumps(GOOD).encode() + b'\n{"instruction": "\xff", "output": "y"}\n', "line 2: bytes that are not UTF-8"),
     "not_a_list.json": ('"just a string"', "expected a JSON object"),
-    # A file type sft does not read (it failed with "found ['None']"): a compressed file is told to be decompressed,
-    # one side of a line-aligned translation pair (Multi30K's train.en) how to make it one file of pairs.
-    "rows.jsonl.gz": (gzip.compress(json.dumps(GOOD).encode() + b"\n"), "sft reads .json, .jsonl, .csv, .parquet, "
-                      ".txt, .arrow files, not .jsonl.gz. Decompress it first (e.g. gunzip -k rows.jsonl.gz)."),
+    # A file type sft does not read (it failed with "found ['None']"): an archive sft does not open is told to be
+    # decompressed, one side of a line-aligned translation pair (Multi30K's train.en) how to make it one file of pairs.
+    "rows.jsonl.zst": (b"(\xb5/\xfd", "sft reads .json, .jsonl, .csv, .tsv, .parquet, .txt, .arrow files (also as .gz, "
+                       ".bz2, .xz), not .jsonl.zst. Decompress it first, or compress it as .gz, .bz2, .xz."),
+    "broken.jsonl.gz": (gzip.compress(json.dumps(GOOD).encode())[:-12], "broken.jsonl.gz is not valid .gz data"),
     "captions.en": ("A man sleeping in a green room on a couch.\n", "not .en. Two line-aligned files of source and "
                     "target sentences (train.en + train.de) are one dataset of pairs: write them as one JSON Lines "
                     "file with a `source` and a `target` per line"),

@@ -296,6 +296,44 @@ def test_a_folder_reads_the_splits_its_readme_card_declares(tmp_path):
         load_source(Source(str(repo), name="small"))
 
 
+def test_compressed_tab_separated_and_globbed_files_train_the_same_examples(tmp_path):
+    """Forms the Hub and users keep data in, each training the same tokens and labels as the plain JSON file: they
+    were refused (.jsonl.gz, .json.gz, .csv.gz, .bz2, .xz: "Decompress it first"; .tsv: "not .tsv", with advice for
+    line-aligned translation files; data/*.parquet: "does not exist"), though `datasets` reads them."""
+    import bz2
+    import gzip
+    import lzma
+
+    import pandas as pd
+
+    rows = json.loads(ALPACA.read_text())[:40]
+    table = pd.DataFrame(rows)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(3):
+        table.iloc[i * 15:(i + 1) * 15].to_parquet(shards / f"part-{i}.parquet")
+    (shards / "notes.md").write_text("not data")  # a glob's files are filtered by type, as a folder's are
+    lines = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    forms = {"a.jsonl.gz": gzip.compress(lines), "a.json.gz": gzip.compress(json.dumps(rows).encode()),
+             "a.jsonl.bz2": bz2.compress(lines), "a.jsonl.xz": lzma.compress(lines),
+             "wrapped.json.gz": gzip.compress(json.dumps({"data": rows}).encode()),
+             "a.tsv": table.to_csv(sep="\t", index=False).encode(),
+             "a.csv.gz": gzip.compress(table.to_csv(index=False).encode())}
+    paths = [str(shards / "*.parquet")]
+    for name, data in forms.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        paths.append(str(path))
+
+    def trained(dataset: str) -> list:
+        train, _ = build_datasets(load_recipe(data_keys(tmp_path, dataset)))
+        return list(zip(train["input_ids"], train["labels"]))
+
+    plain = trained(str(write_json(tmp_path / "plain.json", rows)))
+    assert len(plain) == 40
+    assert {path: trained(path) == plain for path in paths} == dict.fromkeys(paths, True)
+
+
 def test_csv_cells_are_the_text_written(tmp_path):
     """pandas reads "NA", "N/A", "None", "null" and "nan" cells as missing: an Alpaca input "NA" became None and the
     row trained with the no-input prompt, an answer "None" was refused as missing. Each cell is its text; an empty

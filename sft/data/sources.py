@@ -14,18 +14,24 @@ import datasets
 from datasets.data_files import DEFAULT_PATTERNS_ALL, DataFilesDict, get_data_patterns
 
 from sft.data.cards import card_patterns
+from sft.data.files import (
+    COMPRESSED,
+    FILE_TYPES,
+    LOADERS,
+    READ_OPTIONS,
+    data_files,
+    file_bytes,
+    file_kind,
+    is_glob,
+    unread_type,
+)
 from sft.errors import SFTError
 from sft.models.loading import looks_local
 
-FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
 log = logging.getLogger(__name__)
 # Columns a row of some format holds as a list of objects: a file with one such object is one row, not a wrapper.
 ROW_KEYS = ("messages", "conversations", "prompt", "completion", "chosen", "rejected", "tools", "images")
 SOURCE_KEYS = ("path", "split", "columns", "weight", "name", "data_dir")
-# A CSV cell is text as written: pandas reads "NA", "N/A", "None", "null", "nan" (and more) as missing by default, so
-# an Alpaca input "NA" trained with the no-input prompt and an answer "None" was "missing". Empty cells read as "".
-READ_OPTIONS = {"csv": {"keep_default_na": False}}
-COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".7z")  # read by none of sft's loaders
 
 
 @dataclass
@@ -90,7 +96,8 @@ def load_source(source: Source) -> datasets.Dataset:
     path = Path(source.path).expanduser()
     if path.is_dir() and source.data_dir:  # as load_dataset(folder, data_dir=...) reads it; it was ignored
         path = path / source.data_dir
-    ds = _load_local(path, source.split, source.name) if path.exists() else _load_hub(source)
+    local = path.exists() or is_glob(str(path))  # a glob (data/*.parquet) is local files, as in data_files
+    ds = _load_local(path, source.split, source.name) if local else _load_hub(source)
     return rename_columns(ds, source)
 
 
@@ -114,7 +121,8 @@ def all_local(sources: list[Source]) -> bool:
     """Whether every source is on this machine. A missing file with a near namesake beside it is a typo `sft train`
     refuses (SFTError naming the namesake), not data kept elsewhere: `sft check` must not stand sample data in for
     it. Data not here at all (a Hub id, a file still to download, another machine's path) is simply not local."""
-    missing = [Path(source.path).expanduser() for source in sources if not Path(source.path).expanduser().exists()]
+    missing = [path for path in (Path(source.path).expanduser() for source in sources)
+               if not path.exists() and not (is_glob(str(path)) and data_files(path))]
     for path in missing:
         siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
         near = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.9)
@@ -125,39 +133,32 @@ def all_local(sources: list[Source]) -> bool:
 
 def _check_reachable(source: Source) -> None:
     """A path-looking source that is not on disk is a typo, not a Hub id."""
-    if looks_local(source.path) or Path(source.path).suffix in FILE_TYPES:
+    if looks_local(source.path) or file_kind(Path(source.path)) or Path(source.path).suffix in COMPRESSED:
         raise SFTError(f"Dataset file {source.path} does not exist. Check the path (relative paths start from "
                        f"{Path.cwd()}).")
-
-
-def _data_files(path: Path) -> list[Path]:
-    """The data files of a file or folder; hidden folders and files (.ipynb_checkpoints, .git, ...) are not data."""
-    if not path.is_dir():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.suffix in FILE_TYPES and p.is_file()
-                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
 
 
 def _load_local(path: Path, split: str = "train", config: str | None = None) -> datasets.Dataset:
     if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
         return _load_saved(path, split)
-    files = _data_files(path)
+    files = data_files(path)
     if not files:
-        raise SFTError(f"Dataset folder {path} holds no {', '.join(FILE_TYPES)} files.")
-    if path.is_file() and path.suffix not in FILE_TYPES:  # a folder's files are filtered by type
-        raise _unread_type(path)
+        what = "pattern {} matches" if is_glob(str(path)) and not path.exists() else "folder {} holds"
+        raise SFTError(f"Dataset {what.format(path)} no {', '.join(FILE_TYPES)} files.")
+    if path.is_file() and not file_kind(path):  # a folder's files are filtered by type
+        raise unread_type(path)
     files, split = _split_files(path, files, split, config)
-    kinds = {FILE_TYPES[f.suffix] for f in files}
+    kinds = {file_kind(f) for f in files}
     if len(kinds) > 1:
         raise SFTError(f"Dataset {path}: use one file type among {', '.join(FILE_TYPES)} (found {sorted(kinds)}).")
     kind = kinds.pop()
     parsed = [_check_file(f, kind) for f in files]
     if any(rows is not None for rows in parsed):  # a BOM or a top-level object: rows read here, not by `datasets`
-        return _from_rows(files, [rows if rows is not None else _json_rows(f, f.read_text("utf-8")) for f, rows
-                                  in zip(files, parsed)], split)
+        return _from_rows(files, [rows if rows is not None else _json_rows(f, file_bytes(f).decode("utf-8"))
+                                  for f, rows in zip(files, parsed)], split)
     try:
         # Local files form one "train" split; slices such as "train[:64]" or "train[10%:]" select rows of it.
-        return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split,
+        return datasets.load_dataset(LOADERS.get(kind, kind), data_files=[str(f) for f in files], split=split,
                                      **READ_OPTIONS.get(kind, {}))
     except Exception as err:  # datasets wraps parse errors in many types; re-scan to say where
         raise SFTError(f"Could not read dataset {path}: {_first_line(err)}") from None
@@ -199,28 +200,12 @@ def _split_listing(files: list[Path], parts: dict[str, list[Path]]) -> str:
     return "; ".join(others + ([f"in no split, not read: {', '.join(unnamed)}"] if unnamed else []))
 
 
-def _unread_type(path: Path) -> SFTError:
-    """The error for a data file sft does not read, with what to do for the two cases real datasets ship: compressed
-    files (train.jsonl.gz) and a translation corpus as two line-aligned text files (Multi30K's train.en.gz +
-    train.de.gz), which are one dataset of pairs, not two."""
-    compressed = path.suffix in COMPRESSED
-    inner = Path(path.stem).suffix if compressed else path.suffix  # .jsonl of train.jsonl.gz, .en of train.en.gz
-    example = f" (e.g. gunzip -k {path.name})" if path.suffix == ".gz" else ""
-    fix = [f"Decompress it first{example}."] if compressed else []
-    if inner not in FILE_TYPES:
-        fix.append("Two line-aligned files of source and target sentences (train.en + train.de) are one dataset of "
-                   "pairs: write them as one JSON Lines file with a `source` and a `target` per line (README: "
-                   "Seq2Seq).")
-    kind = (inner + path.suffix if compressed else inner) or "files without an extension"
-    return SFTError(f"Dataset file {path}: sft reads {', '.join(FILE_TYPES)} files, not {kind}. " + " ".join(fix))
-
-
 def _check_file(path: Path, kind: str) -> list[dict] | None:
     """Catch what `datasets` reports badly: empty files, bad UTF-8, invalid JSON lines (with their line number).
 
     Returns the rows of a JSON file `datasets` cannot read as it is (a UTF-8 BOM, or one top-level object), else None.
     """
-    data = path.read_bytes()
+    data = file_bytes(path)
     if not data.strip():
         raise SFTError(f"Dataset file {path} is empty. Add rows or remove it from the recipe.")
     if kind == "parquet" or kind == "arrow":
