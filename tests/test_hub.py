@@ -100,3 +100,28 @@ def test_sft_check_of_a_hub_recipe_with_the_hub_down_makes_no_retries():
     assert done.returncode == 0, out[-3000:]
     assert "OK: the recipe is sound." in out
     assert "cannot be reached" in out and "Retry" not in out
+
+
+def test_a_hub_dataset_is_read_from_the_cache_only_when_unreachable(online, monkeypatch, caplog):
+    """A Hub dataset id on a machine without network (HF_HUB_OFFLINE unset) failed after huggingface_hub's retries,
+    about 23 s and a warning per retry per dataset; now the probe's answer puts `datasets` in offline mode for the
+    load: one unreachable-Hub warning, then an error that says the Hub is unreachable and the cache lacks it."""
+    import time
+
+    import datasets.config
+
+    from sft.data.sources import Source, load_source
+    from sft.errors import SFTError
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    use_session(monkeypatch, FakeSession(ConnectionError("Name or service not known")))
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING), pytest.raises(SFTError) as caught:
+        load_source(Source("sft-tests/never-cached", split="train[:4]"))
+    assert time.monotonic() - start < 5
+    assert str(caught.value).startswith("Could not load dataset sft-tests/never-cached [train[:4]]: the Hugging Face "
+                                        "Hub cannot be reached (no network, or HF_HUB_OFFLINE is set) and the datasets "
+                                        "cache (")
+    assert "Point `dataset` at a local file or folder" in str(caught.value)
+    assert not any("Retrying" in r.getMessage() for r in caplog.records)
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == (False, False)  # restored

@@ -1,6 +1,7 @@
 """Data sources: local files, folders or Hub ids, loaded with `datasets`, renamed, weighted and concatenated."""
 
 import codecs
+import contextlib
 import difflib
 import hashlib
 import json
@@ -26,6 +27,7 @@ from sft.data.files import (
     unread_type,
 )
 from sft.errors import SFTError
+from sft.models.hub import hub_offline, hub_reachable
 from sft.models.loading import looks_local
 
 log = logging.getLogger(__name__)
@@ -330,9 +332,16 @@ def _check_rows_are_objects(path: Path, rows: Any) -> None:
 
 def _load_hub(source: Source) -> datasets.Dataset:
     _check_reachable(source)
+    online = hub_reachable()
     try:
-        return datasets.load_dataset(source.path, source.name, data_dir=source.data_dir, split=source.split)
+        with contextlib.nullcontext() if online else hub_offline():  # the cache only: no retries
+            return datasets.load_dataset(source.path, source.name, data_dir=source.data_dir, split=source.split)
     except Exception as err:
+        if not online:
+            raise SFTError(f"Could not load dataset {source.label}: the Hugging Face Hub cannot be reached (no network, "
+                           f"or HF_HUB_OFFLINE is set) and the datasets cache ({datasets.config.HF_DATASETS_CACHE}) "
+                           f"does not hold it ({_first_line(err)}). Point `dataset` at a local file or folder, or load "
+                           "it once where the Hub is reachable.") from None
         raise SFTError(f"Could not load dataset {source.label} from the Hub: {_first_line(err)}. Check the id and "
                        "split, your network, and `huggingface-cli login` for gated data.") from None
 

@@ -6,8 +6,10 @@ offline machine pays huggingface_hub's retries (about 23 s per file, with a warn
 before the fallback is reached: `sft check` of a Hub recipe took 76 s offline instead of 7.
 """
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -38,3 +40,18 @@ def local_files_only(name: str | Path) -> bool:
     """from_pretrained's `local_files_only` for `name`: True (read the HF cache only, no retries) when it is not a
     local folder and the Hub cannot be reached. A local folder never probes the Hub."""
     return not Path(name).expanduser().exists() and not hub_reachable()
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """`datasets` and huggingface_hub in offline mode for the block, as HF_HUB_OFFLINE=1 sets it: Hub datasets come
+    from the datasets cache. `datasets` has no per-call switch (DownloadConfig(local_files_only=True) still asks
+    the Hub), so an unreachable Hub cost about 23 s of retries per dataset, a warning each, before failing."""
+    import datasets.config
+
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
