@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 # Columns a row of some format holds as a list of objects: a file with one such object is one row, not a wrapper.
 ROW_KEYS = ("messages", "conversations", "prompt", "completion", "chosen", "rejected", "tools", "images")
 SOURCE_KEYS = ("path", "split", "columns", "weight", "name", "data_dir")
+# load_dataset's (and the Hub's) words for what a source says otherwise: they were refused with the key list only.
+_SUBSET = " A Hub dataset's subset (its config) is the source's `name`, e.g. {{path: glue, name: mrpc}}."
+HF_KEYS = {"subset": _SUBSET, "config": _SUBSET, "config_name": _SUBSET, "data_files": (
+    " Give the files as `path` (a file, a folder, or a glob such as data/*.parquet), one source per split: "
+    "{key}: {{path: train.jsonl}} and eval_dataset: {{path: validation.jsonl}}.")}
 
 
 @dataclass
@@ -68,7 +73,8 @@ def _parse_source(item: Any, key: str) -> Source:
         raise SFTError(f"Each source in `{key}` must be a path string or a mapping with a `path` key, got {item!r}.")
     unknown = sorted(set(item) - set(SOURCE_KEYS))
     if unknown:
-        raise SFTError(f"Unknown key `{unknown[0]}` in a `{key}` source; valid keys: {', '.join(SOURCE_KEYS)}.")
+        raise SFTError(f"Unknown key `{unknown[0]}` in a `{key}` source; valid keys: {', '.join(SOURCE_KEYS)}."
+                       + HF_KEYS.get(unknown[0], "").format(key=key))
     columns = item.get("columns") or {}
     if not isinstance(columns, dict) or not all(isinstance(n, str) and n for pair in columns.items() for n in pair):
         raise SFTError(f"`columns` of source {item['path']} must map dataset columns to expected names (text to "
