@@ -117,6 +117,9 @@ def _openai_message(raw: Any, label: str, trainable: bool, ctx: Row) -> Message:
         raise ctx.error(f"a message must be an object with role and content, got {type(raw).__name__}",
                         "Fix or remove the row.", label)
     role = raw.get("role")
+    if "role" not in raw:  # was "unknown role None" with advice for ShareGPT data, for {"Role": ..., "Content": ...}
+        raise ctx.error(f"a message has no `role` key (its keys: {', '.join(map(str, raw))})",
+                        "Name the keys role and content (lowercase).", label)
     if role not in ROLES:
         close = difflib.get_close_matches(str(role), ROLES, n=1)
         hint = f" (did you mean `{close[0]}`?)" if close else ""
@@ -194,6 +197,9 @@ def _sharegpt_messages(turns: list, ctx: Row) -> list[Message]:
     for k, turn in enumerate(turns):
         label = f"conversations[{k}]"
         speaker = turn.get("from") if isinstance(turn, dict) else None
+        if isinstance(turn, dict) and "from" not in turn:  # was "unknown `from` value None"
+            raise ctx.error(f"a turn has no `from` key (its keys: {', '.join(map(str, turn))})",
+                            "Name the keys from and value (lowercase), or use `messages` with role and content.", label)
         if speaker not in SHAREGPT_ROLES:
             raise ctx.error(f"unknown `from` value {speaker!r}; expected one of {', '.join(SHAREGPT_ROLES)}",
                             "Fix the turn or map it to one of these names.", label)
