@@ -107,7 +107,10 @@ def _as_list(row: dict, key: str, ctx: Row) -> list:
     value = row[key]
     if not isinstance(value, list) or not value:
         kind = "empty" if isinstance(value, list) else f"a {type(value).__name__}, not a list of messages"
-        raise ctx.error(f"`{key}` is {kind}", "Fix or remove the row.")
+        # Every row of a CSV/TSV file is text: "Fix or remove the row" sent users row by row.
+        fix = (f'A CSV or TSV cell holds text, not a list: save chat data as JSON Lines (one {{"{key}": [...]}} per '
+               "line) or Parquet.") if isinstance(value, str) else "Fix or remove the row."
+        raise ctx.error(f"`{key}` is {kind}", fix)
     return value
 
 
