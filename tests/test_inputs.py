@@ -211,6 +211,22 @@ def test_a_save_to_disk_folder_is_a_dataset(tmp_path):
     assert len(build_datasets(config)[0]) == len(ROWS)  # trains like the same rows in a JSON file
 
 
+def test_building_from_a_save_to_disk_folder_writes_nothing_into_it(tmp_path):
+    """Dataset.map caches beside a dataset's own Arrow files: tokenizing a save_to_disk folder left cache-*.arrow
+    files in the user's folder (read back as data by a glob such as saved/*.arrow, and failing on a read-only one)."""
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])}
+                         ).save_to_disk(str(saved))
+    before = {p: p.read_bytes() for p in saved.rglob("*") if p.is_file()}
+    config = load_recipe({"model_name_or_path": "data/models/tiny-llama", "dataset": str(saved),
+                          "eval_dataset": {"path": str(saved), "split": "test"}})
+    train, evaluation = build_datasets(config)
+    assert (len(train), len(evaluation)) == (len(ROWS), 2)
+    assert {p: p.read_bytes() for p in saved.rglob("*") if p.is_file()} == before
+
+
 @pytest.mark.parametrize("name", ["zephyr-7b-beta", "mistral-7b-instruct-v0.2", "mistral-7b-instruct-v0.1"])
 def test_a_saved_tokenizer_tokenizes_as_training_did(tmp_path, name):
     """transformers 5 saves a legacy sentencepiece tokenizer (Zephyr, Mistral v0.2: legacy true) without `legacy`, and

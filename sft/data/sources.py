@@ -122,6 +122,11 @@ def _load_saved(path: Path, split: str) -> datasets.Dataset:
             raise SFTError(f"Dataset {path} has no split {name!r}; it has {', '.join(saved)}. Set the source's "
                            "`split`.")
         saved = saved[name]
+    # Read into the datasets cache, as every other local file is: Dataset.map caches beside a dataset's own Arrow
+    # files, so tokenizing left cache-*.arrow files in the user's folder (a glob such as saved/*.arrow read them back
+    # as data; a read-only folder failed).
+    files = [entry["filename"] for entry in saved.cache_files]
+    saved = datasets.load_dataset("arrow", data_files=files, split="train", features=saved.features)
     return _sliced(saved, f"train[{part}" if part else "train", path)
 
 
@@ -175,8 +180,8 @@ def _load_local(path: Path, split: str = "train", config: str | None = None) -> 
 def _split_files(path: Path, files: list[Path], split: str, config: str | None) -> tuple[list[Path], str]:
     """The files of `split` in a folder laid out in splits as `datasets` reads one (train/validation/test, also dev
     and eval, in file or folder names: train.jsonl beside test.jsonl, a Hub repository's
-    data/test-00000-of-00001.parquet, or the `configs` of its README.md: sft.data.cards), and the spec selecting their rows ("test[:10]" -> "train[:10]": the chosen
-    files are one split). A folder without split names is one training split. Every file used to be read as
+    data/test-00000-of-00001.parquet, or the `configs` of its README.md: sft.data.cards), and the spec selecting
+    their rows ("test[:10]" -> "train[:10]": the chosen files are one split). A folder without split names is one training split. Every file used to be read as
     training data, so a folder's test and validation rows were trained on, without a word."""
     if not path.is_dir():
         return files, split
@@ -310,7 +315,8 @@ def _check_json(path: Path, text: str) -> None:
         return
     lines = text.splitlines()
     try:  # fast path: one parse of all lines; the per-line scan below only runs to locate a problem
-        if all(isinstance(row, dict) and row for row in json.loads("[" + ",".join(l for l in lines if l.strip()) + "]")):
+        rows = json.loads("[" + ",".join(l for l in lines if l.strip()) + "]")
+        if all(isinstance(row, dict) and row for row in rows):
             return
     except json.JSONDecodeError:
         pass
@@ -344,8 +350,8 @@ def _load_hub(source: Source) -> datasets.Dataset:
             return datasets.load_dataset(source.path, source.name, data_dir=source.data_dir, split=source.split)
     except Exception as err:
         if not online:
-            raise SFTError(f"Could not load dataset {source.label}: the Hugging Face Hub cannot be reached (no network, "
-                           f"or HF_HUB_OFFLINE is set) and the datasets cache ({datasets.config.HF_DATASETS_CACHE}) "
+            raise SFTError(f"Could not load dataset {source.label}: the Hugging Face Hub cannot be reached (no "
+                           f"network, or HF_HUB_OFFLINE is set) and the datasets cache ({datasets.config.HF_DATASETS_CACHE}) "
                            f"does not hold it ({_first_line(err)}). Point `dataset` at a local file or folder, or load "
                            "it once where the Hub is reachable.") from None
         raise SFTError(f"Could not load dataset {source.label} from the Hub: {_first_line(err)}. Check the id and "
