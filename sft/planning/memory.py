@@ -100,10 +100,28 @@ class Model:
     layer_half_bytes: int = 0
     """layer_bytes with floating-point parameters in 16 bits: what ZeRO-3 (its 16-bit copy) and FSDP2 under mixed
     precision (param_dtype bf16/fp16) gather, whatever dtype the weights were loaded in."""
+    layer_merged_bytes: int = 0
+    """Bytes of the largest decoder layer's parameters that LoRA adapts whole (peft's ParamWrapper: the 3D expert
+    stacks of a mixture of experts under all-linear): each forward materializes weight + delta at the weight's size,
+    and autograd keeps it for backward, per layer."""
+    attention: str = "sdpa"
+    """The attention implementation the model runs with (the recipe's, else transformers' default for the family:
+    eager for Gemma-2, which keeps T x T scores)."""
 
 
 def head_dim(arch: PretrainedConfig) -> int:
     return getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads
+
+
+def mlp_width(arch: PretrainedConfig) -> int:
+    """The MLP width each token runs through: a dense model's intermediate_size; a mixture of experts routes each
+    token through num_experts_per_tok experts (each of moe_intermediate_size, else intermediate_size: Mixtral,
+    OLMoE) plus any shared expert (Qwen2-MoE), and keeps every routed copy's activations for backward."""
+    experts = getattr(arch, "num_experts_per_tok", None)
+    if not experts:
+        return arch.intermediate_size
+    width = getattr(arch, "moe_intermediate_size", None) or arch.intermediate_size
+    return experts * width + (getattr(arch, "shared_expert_intermediate_size", None) or 0)
 
 
 def activation_scale(config: SFTConfig) -> int:
@@ -125,16 +143,19 @@ def compiled_savings(config: SFTConfig, setup: Setup) -> tuple[float, float, flo
     return COMPILED_SAVINGS.get((setup.method, planned_budget(config)))
 
 
-def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, head_trainable: bool) -> dict[str, int]:
-    """Activations of one micro-batch at their peak: saved per layer, the layer being recomputed, LM head / loss."""
+def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, head_trainable: bool,
+                     model: Model | None = None) -> dict[str, int]:
+    """Activations of one micro-batch at their peak: saved per layer, the layer being recomputed, LM head / loss.
+    `model` gives the attention implementation the model runs (default the recipe's) and LoRA's merged weights."""
     tokens = setup.micro_batch * setup.max_length
     scale = activation_scale(config)
-    h, q, i = arch.hidden_size, arch.num_attention_heads * head_dim(arch), arch.intermediate_size
+    h, q, i = arch.hidden_size, arch.num_attention_heads * head_dim(arch), mlp_width(arch)
     ch, cq, ci = LAYER_BYTES[setup.method]
     saved_h, saved_q, saved_i = compiled_savings(config, setup) or (0.0, 0.0, 0.0)
     ch, cq, ci = ch - saved_h, cq - saved_q, ci - saved_i
     layer = int(tokens * (ch * h + cq * q + ci * i) * scale)
-    if config.attn_implementation == "eager":  # eager keeps each head's T x T probabilities: float32 and bf16 copy
+    layer += model.layer_merged_bytes if model else 0
+    if (model.attention if model else config.attn_implementation) == "eager":  # eager keeps each head's T x T probabilities: float32 and bf16 copy
         layer += tokens * setup.max_length * arch.num_attention_heads * EAGER_SCORE_BYTES * scale
     residual = 4 if setup.method == "qlora" else 2 * scale  # k-bit preparation keeps the residual in float32
     saved = arch.num_hidden_layers * (tokens * residual * h if setup.checkpointing else layer)
@@ -195,7 +216,7 @@ def memory_breakdown(config: SFTConfig, arch: PretrainedConfig, setup: Setup, mo
     head_trainable = setup.method == "full" or "lm_head" in (config.lora_modules_to_save or [])
     parts = {"weights": weights, "gathered layers": gathered, "master weights (fp32)": master,
              "gradients": grads + (DDP_BUCKETS if preset == "ddp" else 0), "optimizer states": optimizer,
-             **activation_bytes(config, arch, setup, head_trainable)}
+             **activation_bytes(config, arch, setup, head_trainable, model)}
     return {k: int(v) for k, v in parts.items()}
 
 
@@ -234,7 +255,8 @@ def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, 
     vocab, h = arch.vocab_size, arch.hidden_size
     scale = activation_scale(config)
     ch, ci = EVAL_LAYER_BYTES[setup.method]
-    decoder = tokens * (ch * h + ci * arch.intermediate_size) * scale + tokens * setup.max_length  # + bool mask
+    decoder = (tokens * (ch * h + ci * mlp_width(arch)) * scale + tokens * setup.max_length  # + bool mask
+               + model.layer_merged_bytes)
     # the last hidden state and its trained rows, the float32 token losses (chunked_token_losses' output and
     # chunked_forward's per-position tensor), and one chunk at its peak: float32 logits and their log-softmax, or the
     # bf16 product beside the head's bf16 cast (k-bit preparation made a QLoRA head float32; autocast casts it per

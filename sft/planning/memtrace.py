@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from sft.config.arguments import SFTConfig
+from sft.errors import SFTError
 from sft.models.adapters import head_weight, unwrapped
 from sft.models.quantization import DTYPES, compute_dtype
 from sft.training.loss import (
@@ -126,13 +127,17 @@ def build_model(config: SFTConfig, model_config: PretrainedConfig, device: str) 
     from sft.models.adapters import add_adapter
 
     model_config = model_config.__class__.from_dict({**model_config.to_dict(), "use_cache": False})
-    model_config._attn_implementation = config.attn_implementation or "sdpa"
+    # unset: transformers' own choice, as `sft train` loads it (sdpa where the family supports it, else eager: Gemma-2)
+    model_config._attn_implementation = config.attn_implementation
     dtype = DTYPES.get(config.dtype, torch.bfloat16 if config.bf16 else torch.float32)
     if config.load_in_8bit:
         raise ValueError("memtrace cannot simulate 8-bit (LLM.int8) layers")
     unset_hf_deepspeed_config()  # loading a ZeRO-3 recipe sets a global that would partition this model
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+        except ValueError as err:  # e.g. an attn_implementation the family lacks, as from_pretrained refuses it
+            raise SFTError(f"Could not build {model_config.model_type}: {str(err).splitlines()[0]}") from None
         if config.load_in_4bit:
             quantize_layers(model, config)
         if config.use_peft:

@@ -28,6 +28,7 @@ from sft.planning.memory import (
     eval_bytes,
     head_dim,
     memory_breakdown,
+    mlp_width,
     planned_budget,
     train_peak,
 )
@@ -162,7 +163,9 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
     return Model(weight_bytes=weight_bytes, half_bytes=half_bytes, trainable=sum(p.numel() for p in trainable),
                  trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
                  matmul_params=matmul_params(arch), layer_bytes=max(_bytes(layer) for layer in layers),
-                 layer_half_bytes=max(_bytes(layer, half=True) for layer in layers))
+                 layer_half_bytes=max(_bytes(layer, half=True) for layer in layers),
+                 layer_merged_bytes=max(_merged_bytes(layer) for layer in layers),
+                 attention=unwrapped(model).config._attn_implementation)
 
 
 def _bytes(module: torch.nn.Module, half: bool = False) -> int:
@@ -172,12 +175,21 @@ def _bytes(module: torch.nn.Module, half: bool = False) -> int:
                for p in params)
 
 
+def _merged_bytes(layer: torch.nn.Module) -> int:
+    """Bytes of the parameters LoRA adapts whole in `layer` (peft ParamWrapper, Model.layer_merged_bytes)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrapped = [getattr(m.get_base_layer(), m.parameter_name) for m in layer.modules() if isinstance(m, ParamWrapper)]
+    return sum(p.numel() * p.element_size() for p in wrapped)
+
+
 def matmul_params(arch: PretrainedConfig) -> int:
     """Weights every token multiplies through: decoder layers and the LM head (not the embedding lookup)."""
     h, layers = arch.hidden_size, arch.num_hidden_layers
     q = arch.num_attention_heads * head_dim(arch)
     kv = arch.num_key_value_heads * head_dim(arch)
-    per_layer = h * q * 2 + h * kv * 2 + 3 * h * arch.intermediate_size
+    router = h * (getattr(arch, "num_local_experts", None) or getattr(arch, "num_experts", None) or 0)
+    per_layer = h * q * 2 + h * kv * 2 + 3 * h * mlp_width(arch) + router  # MoE: the experts a token runs through
     return layers * per_layer + arch.vocab_size * h
 
 
@@ -312,8 +324,11 @@ def compile_note(config: SFTConfig, setup: Setup) -> str:
             "there is not measured): an upper bound")
 
 
-def search(config: SFTConfig, arch: PretrainedConfig, gpu: GPU, setup: Setup, models: dict[str, Model]) -> list[str]:
+def search(config: SFTConfig, arch: PretrainedConfig, gpu: GPU, setup: Setup,
+           models: dict[str, Model | None]) -> list[str]:
     """The overrides of the cheapest candidate setup that fits; empty when none does."""
+    from sft.errors import SFTError
+
     fitting = []
     for candidate in candidates(config, setup):
         if candidate.method not in models:
@@ -323,8 +338,12 @@ def search(config: SFTConfig, arch: PretrainedConfig, gpu: GPU, setup: Setup, mo
             adapters_log.setLevel(logging.WARNING)
             try:
                 models[candidate.method] = model_facts(config, arch, candidate.method)
+            except SFTError:  # the recipe's LoRA settings cannot adapt this model (peft refuses): not a candidate
+                models[candidate.method] = None
             finally:
                 adapters_log.setLevel(level)
+        if models[candidate.method] is None:
+            continue
         plan = make_plan(config, arch, gpu, candidate, models[candidate.method])
         if plan.fits:
             fitting.append(plan)
