@@ -529,3 +529,31 @@ def test_gemma2_plans_the_eager_attention_transformers_gives_it(tmp_path, capsys
     assert main(["plan", str(path), "--attn_implementation", "sdpa"]) == 2
     err = capsys.readouterr().err.strip()
     assert "gemma2" in err and "scaled_dot_product_attention" in err and len(err.splitlines()) == 1
+
+
+QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)  # Qwen/Qwen3-0.6B
+OLMO2_1B = dict(model_type="olmo2", vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False)  # allenai/OLMo-2-0425-1B
+GEMMA3_1B = dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                 num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                 query_pre_attn_scalar=256, tie_word_embeddings=True)  # google/gemma-3-1b-pt
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("sizes,extra", [(QWEN3_06B, 16 * 128 + 8 * 128), (OLMO2_1B, 2048 + 2048),
+                                         (GEMMA3_1B, 2 * 1152 + 4 * 256 + 256)], ids=["qwen3", "olmo2", "gemma3"])
+def test_norms_beyond_llama_s_two_are_planned(sizes, extra, method):
+    """q/k norms (Qwen3, OLMo-2, Gemma-3) and Gemma's post-norms each keep their input for backward; planned with
+    Llama's two norms a layer, a 16-layer Qwen3-0.6B full fine-tune at 2 x 4096 was -22.7% of the trace, OLMo-2-1B
+    -19.7%, Gemma-3-1B -16.1% (now -2.0, -6.7, -4.2%). Exact widths counted from the model; the trace on 2 layers
+    with a small vocabulary (activations dominate)."""
+    arch = family_config(sizes, num_hidden_layers=2, vocab_size=1000)
+    if getattr(arch, "layer_types", None):
+        arch.layer_types = arch.layer_types[:2]
+    values = recipe("x", method, 2, 4096, False)
+    assert planner.model_facts(load_recipe(values), arch, method).extra_norm_width == extra
+    planned, traced = planned_and_traced(values, arch)
+    # OLMo-2 full keeps a little more still (-11.3% here, -6.7% on 16 layers with its vocabulary): not explained
+    band = 0.12 if sizes is OLMO2_1B and method == "full" else 0.10
+    assert abs(planned / traced - 1) < band, (planned / 2 ** 30, traced / 2 ** 30)

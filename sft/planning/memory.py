@@ -33,6 +33,11 @@ COMPILED_SAVINGS = {("full", 1.0): (8.0, 0.0, 2.0), ("full", 0.8): (12.0, 0.0, 4
                     ("lora", 1.0): (19.0, 3.0, 5.0), ("lora", 0.8): (29.875, 3.25, 7.375)}
 # Gradient temporaries of the MLP (bytes per token per MLP width) while a recomputed LoRA layer runs backward.
 BACKWARD_I_BYTES = 11
+# Per normalized element, bytes a norm beyond LAYER_BYTES' two keeps for backward (Model.extra_norm_width): full
+# keeps its float32 input and normalized copy as those two do (8, 16h for two); under LoRA the adapted layers' input
+# copies (counted in LAYER_BYTES) share part of it. Fitted to MemTracker on 16-layer Qwen3-0.6B, OLMo-2-1B and
+# Gemma-3-1B (2 x 4096: full within -2..-7%, LoRA within -2..+3%, QLoRA on Qwen3 -4.6% of the trace; tests/test_plan.py).
+NORM_BYTES = {"full": 8, "lora": 4, "qlora": 4}
 EAGER_SCORE_BYTES = 6  # per attention score per head, eager attention only (sdpa/flash keep no T x T tensor)
 FULL_LOGIT_BYTES = 14  # per logit where training runs no chunked loss: bf16, float32 copy, log-softmax, gradient
 # per logit where eval runs no chunked loss: bf16, float32 copy, log-softmax (the model's loss frees its own before
@@ -104,6 +109,10 @@ class Model:
     """Bytes of the largest decoder layer's parameters that LoRA adapts whole (peft's ParamWrapper: the 3D expert
     stacks of a mixture of experts under all-linear): each forward materializes weight + delta at the weight's size,
     and autograd keeps it for backward, per layer."""
+    extra_norm_width: int = 0
+    """Widths a decoder layer normalizes per token beyond the two hidden-size norms LAYER_BYTES counts (each norm
+    keeps 8 bytes a normalized element, as those two do): Gemma-2/3's post-attention/post-MLP norms, the q/k norms of
+    Qwen3, Gemma-3 and OLMo-2 (over every query / key head)."""
     attention: str = "sdpa"
     """The attention implementation the model runs with (the recipe's, else transformers' default for the family:
     eager for Gemma-2, which keeps T x T scores)."""
@@ -154,7 +163,8 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
     saved_h, saved_q, saved_i = compiled_savings(config, setup) or (0.0, 0.0, 0.0)
     ch, cq, ci = ch - saved_h, cq - saved_q, ci - saved_i
     layer = int(tokens * (ch * h + cq * q + ci * i) * scale)
-    layer += model.layer_merged_bytes if model else 0
+    if model:
+        layer += model.layer_merged_bytes + tokens * NORM_BYTES[setup.method] * model.extra_norm_width * scale
     if (model.attention if model else config.attn_implementation) == "eager":  # eager keeps each head's T x T probabilities: float32 and bf16 copy
         layer += tokens * setup.max_length * arch.num_attention_heads * EAGER_SCORE_BYTES * scale
     residual = 4 if setup.method == "qlora" else 2 * scale  # k-bit preparation keeps the residual in float32

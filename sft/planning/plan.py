@@ -165,6 +165,7 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
                  matmul_params=matmul_params(arch), layer_bytes=max(_bytes(layer) for layer in layers),
                  layer_half_bytes=max(_bytes(layer, half=True) for layer in layers),
                  layer_merged_bytes=max(_merged_bytes(layer) for layer in layers),
+                 extra_norm_width=max(_norm_width(layer, arch) for layer in layers) - 2 * arch.hidden_size,
                  attention=unwrapped(model).config._attn_implementation)
 
 
@@ -181,6 +182,13 @@ def _merged_bytes(layer: torch.nn.Module) -> int:
 
     wrapped = [getattr(m.get_base_layer(), m.parameter_name) for m in layer.modules() if isinstance(m, ParamWrapper)]
     return sum(p.numel() * p.element_size() for p in wrapped)
+
+
+def _norm_width(layer: torch.nn.Module, arch: PretrainedConfig) -> int:
+    """Elements per token the norms of a decoder layer normalize: q/k norms act on every query / key head."""
+    widths = {"q_norm": arch.num_attention_heads * head_dim(arch), "k_norm": arch.num_key_value_heads * head_dim(arch)}
+    return sum(widths.get(name.rsplit(".", 1)[-1], arch.hidden_size) for name, module in layer.named_modules()
+               if type(module).__name__.endswith("RMSNorm"))
 
 
 def matmul_params(arch: PretrainedConfig) -> int:
