@@ -557,3 +557,16 @@ def test_norms_beyond_llama_s_two_are_planned(sizes, extra, method):
     # OLMo-2 full keeps a little more still (-11.3% here, -6.7% on 16 layers with its vocabulary): not explained
     band = 0.12 if sizes is OLMO2_1B and method == "full" else 0.10
     assert abs(planned / traced - 1) < band, (planned / 2 ** 30, traced / 2 ** 30)
+
+
+def test_a_config_without_grouped_query_attention_is_planned():
+    """GPT-NeoX (Pythia) configs have no num_key_value_heads: `sft plan` on a Pythia recipe died in an
+    AttributeError traceback. Its parameters are counted exactly (EleutherAI/pythia-1b: 1,011,781,632)."""
+    arch = family_config(dict(model_type="gpt_neox", vocab_size=50304, hidden_size=2048, intermediate_size=8192,
+                              num_hidden_layers=16, num_attention_heads=8, rotary_pct=0.25, tie_word_embeddings=False,
+                              use_parallel_residual=True))  # EleutherAI/pythia-1b
+    config = load_recipe({**recipe("x", "full", 2, 2048, False), "eval_strategy": "steps", "eval_split_size": 0.1,
+                          "predict_with_generate": True})
+    plan = planner.plan_recipe(config, find_gpu("H100-80GB"), 1, arch=arch)
+    assert plan.fits and plan.breakdown["eval / generation"] > 0
+    assert planner.model_facts(config, arch, "full").trainable == 1_011_781_632

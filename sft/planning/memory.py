@@ -122,6 +122,12 @@ def head_dim(arch: PretrainedConfig) -> int:
     return getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads
 
 
+def kv_width(arch: PretrainedConfig) -> int:
+    """Key (or value) width per token: configs without grouped-query attention (GPT-NeoX / Pythia) have no
+    num_key_value_heads, one key/value head per query head."""
+    return (getattr(arch, "num_key_value_heads", None) or arch.num_attention_heads) * head_dim(arch)
+
+
 def mlp_width(arch: PretrainedConfig) -> int:
     """The MLP width each token runs through: a dense model's intermediate_size; a mixture of experts routes each
     token through num_experts_per_tok experts (each of moe_intermediate_size, else intermediate_size: Mixtral,
@@ -255,8 +261,7 @@ def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, model: M
     if not config.predict_with_generate:
         return memory
     new = config.max_new_tokens or config.generation_max_length or 128
-    kv_width = arch.num_key_value_heads * head_dim(arch)
-    return memory + 2 * arch.num_hidden_layers * kv_width * (setup.max_length + new) * batch * 2
+    return memory + 2 * arch.num_hidden_layers * kv_width(arch) * (setup.max_length + new) * batch * 2
 
 
 def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: int, model: Model) -> int:

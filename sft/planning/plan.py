@@ -27,6 +27,7 @@ from sft.planning.memory import (
     compiled_savings,
     eval_bytes,
     head_dim,
+    kv_width,
     memory_breakdown,
     mlp_width,
     planned_budget,
@@ -165,7 +166,8 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
                  matmul_params=matmul_params(arch), layer_bytes=max(_bytes(layer) for layer in layers),
                  layer_half_bytes=max(_bytes(layer, half=True) for layer in layers),
                  layer_merged_bytes=max(_merged_bytes(layer) for layer in layers),
-                 extra_norm_width=max(_norm_width(layer, arch) for layer in layers) - 2 * arch.hidden_size,
+                 # fewer norms than Llama's two (Phi-2's one) are planned as two: an upper bound
+                 extra_norm_width=max(0, max(_norm_width(layer, arch) for layer in layers) - 2 * arch.hidden_size),
                  attention=unwrapped(model).config._attn_implementation)
 
 
@@ -186,16 +188,16 @@ def _merged_bytes(layer: torch.nn.Module) -> int:
 
 def _norm_width(layer: torch.nn.Module, arch: PretrainedConfig) -> int:
     """Elements per token the norms of a decoder layer normalize: q/k norms act on every query / key head."""
-    widths = {"q_norm": arch.num_attention_heads * head_dim(arch), "k_norm": arch.num_key_value_heads * head_dim(arch)}
+    widths = {"q_norm": arch.num_attention_heads * head_dim(arch), "k_norm": kv_width(arch)}
     return sum(widths.get(name.rsplit(".", 1)[-1], arch.hidden_size) for name, module in layer.named_modules()
-               if type(module).__name__.endswith("RMSNorm"))
+               if type(module).__name__.endswith("Norm"))  # RMSNorm, LayerNorm (GPT-NeoX), each family's own
 
 
 def matmul_params(arch: PretrainedConfig) -> int:
     """Weights every token multiplies through: decoder layers and the LM head (not the embedding lookup)."""
     h, layers = arch.hidden_size, arch.num_hidden_layers
     q = arch.num_attention_heads * head_dim(arch)
-    kv = arch.num_key_value_heads * head_dim(arch)
+    kv = kv_width(arch)
     router = h * (getattr(arch, "num_local_experts", None) or getattr(arch, "num_experts", None) or 0)
     per_layer = h * q * 2 + h * kv * 2 + 3 * h * mlp_width(arch) + router  # MoE: the experts a token runs through
     return layers * per_layer + arch.vocab_size * h
