@@ -296,3 +296,25 @@ def test_an_adapter_folder_as_the_model_masks_with_its_bases_stop_tokens(tmp_pat
         trained[model] = tokenizer.decode([i for i, label in zip(ids, labels) if label != -100])
     assert trained[base] == "CALL weather<|call|>Sunny.<|end|>"  # the two answers, each through its stop token
     assert trained[run] == trained[base]
+
+
+def test_lora_dropout_on_expert_stacks_is_refused_with_the_settings_that_work():
+    """peft adapts a mixture of experts' 3D expert stacks (all-linear) as bare parameters and refuses dropout there;
+    sft's refusal told the user to check module names, which are right. It now names lora_dropout: 0 or attention
+    targets, and each of those builds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sft.models.adapters import add_adapter
+
+    shape = AutoConfig.for_model("mixtral", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    values = dict(model_name_or_path="x", dataset="unused.json", output_dir="unused", use_peft=True)
+
+    def adapt(**lora):
+        with torch.device("meta"):
+            return add_adapter(AutoModelForCausalLM.from_config(shape), load_recipe({**values, **lora}))
+
+    with pytest.raises(SFTError, match=r"Set lora_dropout: 0, or name lora_target_modules without the experts"):
+        adapt(lora_dropout=0.05)
+    adapt(lora_dropout=0.0)
+    adapt(lora_dropout=0.05, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])

@@ -130,8 +130,11 @@ def add_adapter(model: PreTrainedModel, config: SFTConfig, new_token_ids: list[i
         with token_rows_gathered_on_any_device():
             peft_model = get_peft_model(model, lora_config(config, model, new_rows))
     except ValueError as err:  # e.g. a target module name the model does not have
-        raise SFTError(f"Cannot add the LoRA adapter: {str(err).splitlines()[0]} Check lora_target_modules and "
-                       "lora_modules_to_save against the model's module names (e.g. q_proj, v_proj).") from None
+        # peft adapts a mixture of experts' 3D expert stacks (all-linear) as bare parameters, without dropout
+        fix = ("Set lora_dropout: 0, or name lora_target_modules without the experts (e.g. [q_proj, k_proj, "
+               "v_proj, o_proj])." if "lora_dropout" in str(err) else "Check lora_target_modules and "
+               "lora_modules_to_save against the model's module names (e.g. q_proj, v_proj).")
+        raise SFTError(f"Cannot add the LoRA adapter: {str(err).splitlines()[0]} {fix}") from None
     if new_rows:
         save_new_rows_only(peft_model)
     # adapter_config.json names the base; a local one by absolute path, so merge/generate work from any folder
