@@ -171,7 +171,8 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
     layer = int(tokens * (ch * h + cq * q + ci * i) * scale)
     if model:
         layer += model.layer_merged_bytes + tokens * NORM_BYTES[setup.method] * model.extra_norm_width * scale
-    if (model.attention if model else config.attn_implementation) == "eager":  # eager keeps each head's T x T probabilities: float32 and bf16 copy
+    # eager keeps each head's T x T probabilities: float32 and bf16 copy
+    if (model.attention if model else config.attn_implementation) == "eager":
         layer += tokens * setup.max_length * arch.num_attention_heads * EAGER_SCORE_BYTES * scale
     residual = 4 if setup.method == "qlora" else 2 * scale  # k-bit preparation keeps the residual in float32
     saved = arch.num_hidden_layers * (tokens * residual * h if setup.checkpointing else layer)

@@ -17,6 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from sft.config.arguments import SFTConfig
+from sft.errors import SFTError
 from sft.models.adapters import unwrapped
 from sft.planning.hardware import GPU
 from sft.planning.memory import (
@@ -337,8 +338,6 @@ def compile_note(config: SFTConfig, setup: Setup) -> str:
 def search(config: SFTConfig, arch: PretrainedConfig, gpu: GPU, setup: Setup,
            models: dict[str, Model | None]) -> list[str]:
     """The overrides of the cheapest candidate setup that fits; empty when none does."""
-    from sft.errors import SFTError
-
     fitting = []
     for candidate in candidates(config, setup):
         if candidate.method not in models:
