@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sft.cli.main import main
+from sft.errors import SFTError
 from sft.models.adapters import unwrapped
 from sft.models.architectures import known_config
 from sft.models.compilation import compile_blocks
@@ -570,3 +571,13 @@ def test_a_config_without_grouped_query_attention_is_planned():
     plan = planner.plan_recipe(config, find_gpu("H100-80GB"), 1, arch=arch)
     assert plan.fits and plan.breakdown["eval / generation"] > 0
     assert planner.model_facts(config, arch, "full").trainable == 1_011_781_632
+
+
+def test_a_model_whose_decoder_layers_are_not_found_is_refused_not_a_traceback():
+    """transformers' Llama-4 text model is its own get_decoder(): `sft plan` died in an AttributeError traceback."""
+    arch = family_config(dict(model_type="llama4_text", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                              intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, num_local_experts=2))
+    config = load_recipe(recipe("x", "full", 2, 256, False))
+    with pytest.raises(SFTError, match="cannot find the decoder layers of llama4_text: it is not modelled yet"):
+        planner.plan_recipe(config, find_gpu("H100-80GB"), 1, arch=arch)

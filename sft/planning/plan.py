@@ -160,7 +160,10 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
     if config.load_in_8bit and method == "qlora":
         weight_bytes += sum(t.numel() for t in tensors if t.dtype == torch.uint8)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    layers = unwrapped(model).get_decoder().layers
+    layers = getattr(unwrapped(model).get_decoder(), "layers", None)
+    if layers is None:  # Llama-4's causal LM is its own get_decoder() (transformers 5.24): an AttributeError traceback
+        raise SFTError(f"sft plan cannot find the decoder layers of {arch.model_type}: it is not modelled yet. Use "
+                       "`sft check` to validate the recipe.")
     half_bytes = weight_bytes - _bytes(model) + _bytes(model, half=True)
     return Model(weight_bytes=weight_bytes, half_bytes=half_bytes, trainable=sum(p.numel() for p in trainable),
                  trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
