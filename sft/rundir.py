@@ -2,7 +2,7 @@
 
 A folder is an sft run when it holds the manifest. An entry is sft's when the manifest lists it with the size and
 content hash sft left it with (a file a user edited afterwards, e.g. the model card README.md, is the user's
-again), or when it is a checkpoint folder of a marked run (a run killed mid-save never listed it). Everything else is
+again), or when it is a checkpoint folder of a training run (a run killed mid-save never listed it). Everything else is
 foreign: sft refuses to write into a folder holding foreign entries and never deletes them.
 """
 
@@ -22,6 +22,9 @@ MANIFEST = "sft_run.json"
 CHECKPOINT_NAME = re.compile(r"(checkpoint-\d+|\.staging-\d+|runs)$")
 SHOWN = 8  # foreign names listed in a refusal
 HASHED_BYTES = 16 * 2**20  # larger files (weights) are identified by size alone: hashing them costs seconds
+# A training run's recipe, which `sft train` records before any checkpoint: a manifest listing it marks a training
+# run. `sft eval` and `sft merge` mark the folders they write to as well, which may be a user's own Trainer output.
+RECIPE = "recipe.yaml"
 DATA_STATS = "data_stats.json"  # a run's data statistics; its `formats` say which prompt the model learnt
 # `writable`'s probe: every rank of a launch checks output_dir, so another rank's probe can be there for a moment.
 WRITE_PROBE = ".sft-write-test-"
@@ -56,8 +59,9 @@ def foreign_entries(out: Path) -> list[str]:
     owned = read_manifest(out)
     if owned is None:
         return sorted(p.name for p in entries(out))
+    trained = RECIPE in owned  # an unlisted checkpoint-N or runs/ elsewhere is the user's (their own Trainer's)
     return sorted(p.name for p in entries(out) if p.name != MANIFEST and not (
-        (p.name in owned and owned[p.name] == _stamp(p)) or (p.is_dir() and CHECKPOINT_NAME.match(p.name))))
+        (p.name in owned and owned[p.name] == _stamp(p)) or (trained and p.is_dir() and CHECKPOINT_NAME.match(p.name))))
 
 
 def describe(names: list[str]) -> str:

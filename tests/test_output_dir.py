@@ -111,3 +111,19 @@ def test_another_ranks_write_probe_is_not_a_user_file(tmp_path):
         assert probe.name not in rundir.clear_run(out) and probe.is_dir()
         (out / "notes.md").write_text("mine\n")  # control: a user's file still is
         assert rundir.foreign_entries(out) == ["notes.md"]
+
+
+def test_eval_beside_a_users_own_checkpoints_keeps_them_theirs(tmp_path, capsys):
+    """`sft eval` of a checkpoint of the user's own Trainer run, written beside it, marks that folder as sft's; its
+    checkpoint-N and runs/ folders were then taken for a killed sft run's, and `sft train --overwrite_output_dir`
+    deleted them (7 files of checkpoint-500 and runs/ lost, exit 0)."""
+    out = tmp_path / "hf_run"
+    shutil.copytree(EMBEDDED_MODEL, out / "checkpoint-500")
+    (out / "runs").mkdir()
+    (out / "runs" / "events.out.tfevents").write_bytes(b"tensorboard")
+    before = snapshot(out / "checkpoint-500"), snapshot(out / "runs")
+    assert run("eval", recipe(tmp_path, out), "--model_name_or_path", str(out / "checkpoint-500")) == 0
+    assert rundir.foreign_entries(out) == ["checkpoint-500", "runs"]
+    assert run("train", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 2
+    assert "checkpoint-500, runs" in capsys.readouterr().err
+    assert (snapshot(out / "checkpoint-500"), snapshot(out / "runs")) == before

@@ -95,7 +95,7 @@ def run_quantization(folder: Path) -> dict:
     float32, so `sft merge` and `sft generate` with their default dtype (auto: as saved) used another base than the
     adapter trained on.
     """
-    recipe = rundir.run_file(folder, "recipe.yaml")  # a checkpoint's is its run's
+    recipe = rundir.run_file(folder, rundir.RECIPE)  # a checkpoint's is its run's
     if recipe is None:
         return {}
     values = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}

@@ -287,9 +287,9 @@ def write_run_facts(config: SFTConfig, stats: DataStats, out: Path) -> None:
     trained: `sft merge` and `sft generate` of a QLoRA checkpoint put the adapter on the 4-bit base (not the
     full-precision one), and prompt an Alpaca run's with the Alpaca prompt, not the tokenizer's chat template.
     """
-    save_recipe(config, out / "recipe.yaml")
+    save_recipe(config, out / rundir.RECIPE)
     (out / rundir.DATA_STATS).write_text(json.dumps(stats.as_dict(), indent=2) + "\n")
-    rundir.claim(out, ["recipe.yaml", rundir.DATA_STATS])  # sft's, however the run ends
+    rundir.claim(out, [rundir.RECIPE, rundir.DATA_STATS])  # sft's, however the run ends
 
 
 def evaluate(config: SFTConfig) -> dict[str, float]:
