@@ -127,3 +127,16 @@ def test_eval_beside_a_users_own_checkpoints_keeps_them_theirs(tmp_path, capsys)
     assert run("train", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 2
     assert "checkpoint-500, runs" in capsys.readouterr().err
     assert (snapshot(out / "checkpoint-500"), snapshot(out / "runs")) == before
+
+
+def test_overwrite_never_deletes_the_model_the_run_trains_from(tmp_path, capsys):
+    """Continuing a run in its own folder (--model_name_or_path RUN --output_dir RUN --overwrite_output_dir true)
+    deleted the model being trained from before the new one was saved: a run that failed or was killed left
+    neither."""
+    out = tmp_path / "run"
+    assert run("train", recipe(tmp_path, out)) == 0
+    before = snapshot(out)
+    assert run("train", recipe(tmp_path, out), "--model_name_or_path", str(out), "--overwrite_output_dir", "true") == 2
+    err = capsys.readouterr().err
+    assert f"model_name_or_path {out} is in output_dir {out}" in err and "Traceback" not in err
+    assert snapshot(out) == before

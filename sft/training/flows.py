@@ -164,7 +164,20 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
         raise SFTError(f"output_dir {out} already holds an sft run. Pass --resume_from_checkpoint true to continue "
                        "it, --overwrite_output_dir true to replace it (only files sft wrote are removed), or choose "
                        "another output_dir.")
+    check_inputs_kept(out, resume, config)
     return config
+
+
+def check_inputs_kept(out: Path, resume: str | bool | None, config: SFTConfig) -> None:
+    """--overwrite_output_dir deletes the earlier run before this one saves anything: a model or tokenizer loaded from
+    it (continuing a run in its own folder) was gone, and a run that then failed or was killed left neither."""
+    if not config.overwrite_output_dir or resume or not rundir.is_run(out):
+        return
+    for key in ("model_name_or_path", "tokenizer_name_or_path"):
+        source = Path(getattr(config, key) or "").expanduser()
+        if str(source) != "." and source.exists() and out.resolve() in (source.resolve(), *source.resolve().parents):
+            raise SFTError(f"{key} {source} is in output_dir {out}, whose earlier run --overwrite_output_dir would "
+                           "delete before this run saves its model. Train into another output_dir.")
 
 
 def check_generation_settings(config: SFTConfig) -> None:
