@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import transformers
 
 from sft import rundir
 from sft.cli.main import main
@@ -140,3 +141,25 @@ def test_overwrite_never_deletes_the_model_the_run_trains_from(tmp_path, capsys)
     err = capsys.readouterr().err
     assert f"model_name_or_path {out} is in output_dir {out}" in err and "Traceback" not in err
     assert snapshot(out) == before
+
+
+
+def test_a_run_killed_after_saving_its_model_owns_it(tmp_path, monkeypatch):
+    """The final model and results were recorded only once the whole run ended: a run killed in its final evaluation
+    (which can be long: generation) left config.json, model.safetensors, the tokenizer, train_results.json ...
+    unrecorded, and a rerun with --overwrite_output_dir was refused as if they were the user's files."""
+    out, seen = tmp_path / "run", []
+
+    def killed(*args, **kwargs):
+        seen.append(rundir.foreign_entries(out))  # as a SIGKILL here would leave the folder
+        raise SystemExit(9)
+
+    monkeypatch.setattr(transformers.Trainer, "evaluate", killed)  # only the final one: eval_strategy is no
+    with pytest.raises(SystemExit):
+        run("train", recipe(tmp_path, out))
+    assert (out / "model.safetensors").exists() and seen == [[]] and rundir.foreign_entries(out) == []
+    monkeypatch.undo()
+    (out / "notes.md").write_text("mine\n")  # control: a user's file still is theirs
+    assert rundir.foreign_entries(out) == ["notes.md"]
+    (out / "notes.md").unlink()
+    assert run("train", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 0

@@ -86,10 +86,12 @@ def train(config: SFTConfig) -> Path:
         log.warning("Stopped early at step %d of %d: eval %s did not improve on %.4g for %d evaluations.",
                     trainer.state.global_step, trainer.state.max_steps, config.metric_for_best_model,
                     trainer.state.best_metric, config.early_stopping_patience)
-    save_run(trainer, config, stats, result.metrics, has_eval=eval_data is not None,
-             formats="; ".join(map(str, train_data.sources)))
-    if trainer.is_world_process_zero():
-        rundir.claim(output_dir)
+    try:
+        save_run(trainer, config, stats, result.metrics, has_eval=eval_data is not None,
+                 formats="; ".join(map(str, train_data.sources)))
+    finally:  # what the final save wrote is sft's, however it ends
+        if trainer.is_world_process_zero():
+            rundir.claim(output_dir)
     return output_dir
 
 
@@ -280,6 +282,8 @@ def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: di
     trainer.save_model(str(out))  # an adapter with its generation_config.json (SFTMixin._save), for sft merge
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
+    if trainer.is_world_process_zero():  # the final evaluation can be long: a run killed in it still owns its model
+        rundir.claim(out)
     if has_eval:
         eval_metrics = trainer.evaluate()
         trainer.log_metrics("eval", eval_metrics)
