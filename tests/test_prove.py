@@ -272,7 +272,7 @@ def chat_row_proof(name: str, row: dict, unstop: tuple[str, ...] = (),
     out = Encoding(tok, max_length=10**6).encode(rendered)
     examples = [{"input_ids": ids, "labels": edit(labels)} for ids, labels in zip(out["input_ids"], out["labels"])]
     bench = SimpleNamespace(tokenizer=tok, base=SimpleNamespace(train_on_last_turn_only=False,
-                                                                 assistant_only_loss=True))
+                                                                 assistant_only_loss=True, chat_template_kwargs=None))
     tally: Counter = Counter()
     ids = stop_token_ids(tok, stops) - set(tok.convert_tokens_to_ids(list(unstop)))
     problems, _ = check_chat_row(bench, row, "messages", examples, ids, tally)

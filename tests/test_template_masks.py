@@ -578,3 +578,102 @@ def test_tokens_data_writes_inside_a_message_are_kept_and_trained(name, token):
     tok, stops = family_tokenizer(name)
     row = {"messages": [ASK, {"role": "assistant", "content": f"{token}It is 4."}]}
     assert trained_texts(tok, name, row, stops)[0].startswith(f"{token}It is 4.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chat_template_kwargs: the template's variables (Qwen3's enable_thinking) in every rendering
+# ---------------------------------------------------------------------------------------------------------------
+
+NO_THINK = {"enable_thinking": False}
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def test_enable_thinking_false_moves_the_empty_think_block_into_the_prompt():
+    """Qwen3 without reasoning: by default the empty think block the template writes in the final turn is trained;
+    with enable_thinking false the generation prompt holds it, and only the answer and <|im_end|> are trained."""
+    tok, stops = family_tokenizer("qwen3")
+    row = {"messages": [ASK, FOUR]}
+    assert trained_texts(tok, "qwen3", row, stops) == [f"{EMPTY_THINK}It is 4.<|im_end|>"]
+    assert trained_texts(tok, "qwen3", row, stops, template_kwargs=NO_THINK) == ["It is 4.<|im_end|>"]
+
+
+def test_a_rows_chat_template_kwargs_go_over_the_recipes():
+    tok, stops = family_tokenizer("qwen3")
+    row = {"messages": [ASK, FOUR]}
+    thinking = dict(row, chat_template_kwargs={"enable_thinking": True})
+    assert trained_texts(tok, "qwen3", thinking, stops, template_kwargs=NO_THINK) == [
+        f"{EMPTY_THINK}It is 4.<|im_end|>"]
+    assert trained_texts(tok, "qwen3", dict(row, chat_template_kwargs=NO_THINK), stops) == ["It is 4.<|im_end|>"]
+    # Arrow's null for a key other rows set leaves the recipe's value
+    unset = dict(row, chat_template_kwargs={"enable_thinking": None})
+    assert trained_texts(tok, "qwen3", unset, stops, template_kwargs=NO_THINK) == ["It is 4.<|im_end|>"]
+
+
+@pytest.mark.parametrize("value, said", [("no", "'no' is not a mapping"), ([True], "[True] is not a mapping"),
+                                         ({1: True}, "its key 1 is not a string"),
+                                         ({"messages": []}, "`messages` is what sft passes the template itself")])
+def test_a_bad_chat_template_kwargs_value_in_a_row_is_refused_naming_it(value, said):
+    tok, stops = family_tokenizer("qwen3")
+    with pytest.raises(SFTError) as err:
+        trained_texts(tok, "qwen3", {"messages": [ASK, FOUR], "chat_template_kwargs": value}, stops)
+    assert str(err.value).startswith("Dataset chat.jsonl, row 3, chat_template_kwargs: bad value: ")
+    assert said in str(err.value)
+
+
+def decoded_prompts_and_answers(dataset, tok) -> list[tuple[str, str]]:
+    """What generation-based eval cuts out of each example: the prompt it generates from and the reference."""
+    import torch
+
+    from sft.evaluation.predict import causal_example
+
+    examples = [causal_example(torch.tensor(row["input_ids"]), torch.tensor(row["labels"])) for row in dataset]
+    return [(tok.decode(e.prompt), tok.decode(e.reference)) for e in examples]
+
+
+def test_recipe_and_row_kwargs_reach_built_data_and_eval_prompts(tmp_path):
+    """Through load_recipe and build_datasets (the path of `sft train`, `sft data` and eval): the recipe's
+    enable_thinking false puts the empty think block at the end of the prompt eval predictions generate from; a
+    row's column turns it back on for that row (the other row's column is Arrow's null); the tokenized-data cache
+    tells the two recipes apart."""
+    from sft import build_datasets, load_recipe
+
+    tok, _ = family_tokenizer("qwen3")
+    rows = [{"messages": [ASK, FOUR], "chat_template_kwargs": {"enable_thinking": True}},
+            {"messages": [ASK_AGAIN, SIX]}]
+    recipe = qwen3_recipe(tmp_path, rows, eval_dataset=str(tmp_path / "chat.jsonl"))
+    prompt = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    default = build_datasets(load_recipe(recipe))[1]
+    assert decoded_prompts_and_answers(default, tok) == [
+        (prompt.format(ASK["content"]), f"{EMPTY_THINK}It is 4.<|im_end|>"),
+        (prompt.format(ASK_AGAIN["content"]), f"{EMPTY_THINK}It is 6.<|im_end|>")]
+    no_think = build_datasets(load_recipe(recipe, chat_template_kwargs=NO_THINK))[1]
+    assert decoded_prompts_and_answers(no_think, tok) == [
+        (prompt.format(ASK["content"]), f"{EMPTY_THINK}It is 4.<|im_end|>"),
+        (prompt.format(ASK_AGAIN["content"]) + EMPTY_THINK, "It is 6.<|im_end|>")]
+
+
+@pytest.mark.parametrize("value, said", [
+    ("thinking", "Bad value for `chat_template_kwargs` in command line: expected a mapping, got 'thinking'."),
+    ("{1: true}", "Bad value for `chat_template_kwargs`: its key 1 is not a string"),
+    ("{tools: []}", "Bad value for `chat_template_kwargs`: `tools` is what sft passes the template itself")])
+def test_a_bad_recipe_chat_template_kwargs_exits_2_with_one_line(tmp_path, capsys, value, said):
+    from sft.cli.main import main
+
+    recipe = qwen3_recipe(tmp_path, [{"messages": [ASK, FOUR]}])
+    assert main(["data", recipe, "--chat_template_kwargs", value]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+
+
+def test_mask_proof_renders_with_the_recipes_kwargs(tmp_path):
+    """`sft check --prove` renders its expected masks with the recipe's (and rows') kwargs: a Qwen3 recipe with
+    enable_thinking false is proven, its empty think blocks untrained."""
+    from sft.check.prove.bench import Bench
+    from sft.check.prove.masks import prove_masks
+
+    rows = [{"messages": [ASK, FOUR]}, {"messages": [ASK_AGAIN, SIX], "chat_template_kwargs": {"enable_thinking": True}},
+            CONVERSATIONS["multi"]]
+    recipe = qwen3_recipe(tmp_path, rows, chat_template_kwargs=NO_THINK)
+    proof = prove_masks(Bench.build(recipe, None, tmp_path / "bench"), 8)
+    assert proof.passed, proof.evidence
+    assert proof.figure.startswith("3 rows, 4 trained answers")

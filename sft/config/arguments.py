@@ -48,6 +48,10 @@ class SFTConfig(Seq2SeqTrainingArguments):
                                   "with -100.")
     allow_pickle: bool = _help("Allow loading .bin/.pt (pickle) weights; safetensors only otherwise.", False)
     chat_template: str | None = _help("Chat template: a preset name, a .jinja path or an inline Jinja string.")
+    chat_template_kwargs: dict | None = _help(
+        "Variables every rendering of the chat template gets (training and eval masks, eval prompts, `sft data`, "
+        "`sft check`; `sft chat`/`generate` on the trained folder), e.g. {enable_thinking: false} (Qwen3, SmolLM3), "
+        "{thinking: true} (Granite 3.3). A row's own `chat_template_kwargs` column (TRL's) goes over them.")
 
     # Data
     dataset: Any = _help(

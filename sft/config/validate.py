@@ -58,6 +58,9 @@ def check_values(config: SFTConfig) -> None:
     check_best_saves(config)
     check_early_stopping(config)
     check_scheduler_kwargs(config)
+    problem = template_kwargs_problem(config.chat_template_kwargs or {})
+    if problem:
+        raise SFTError(f"Bad value for `chat_template_kwargs`: {problem}.")
     if not str(config.output_dir or "").strip():
         raise SFTError("`output_dir` is empty: give the folder the run should write to, e.g. outputs/my-run.")
 
@@ -183,6 +186,23 @@ def check_early_stopping(config: SFTConfig) -> None:
         raise SFTError(f"early_stopping_patience is {config.early_stopping_patience}, which stops training when "
                        "evaluations stop improving, but eval_strategy is 'no'. Set eval_strategy: steps (with "
                        "eval_steps) or epoch, and eval data (eval_split_size or eval_dataset).")
+
+
+# What apply_chat_template passes the template itself: a chat_template_kwargs variable of that name would clash.
+TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def template_kwargs_problem(value: object) -> str | None:
+    """What is wrong with a chat_template_kwargs value (the recipe's, a row's column, `sft chat`'s flag), or None:
+    it must map variable names (strings, not apply_chat_template's own arguments) to values."""
+    if not isinstance(value, dict):
+        return f"{value!r} is not a mapping of template variables to values; write e.g. {{enable_thinking: false}}"
+    bad = next((key for key in value if not isinstance(key, str) or key in TEMPLATE_ARGUMENTS), None)
+    if bad is None:
+        return None
+    if isinstance(bad, str):
+        return f"`{bad}` is what sft passes the template itself ({', '.join(TEMPLATE_ARGUMENTS)}); remove it"
+    return f"its key {bad!r} is not a string; template variables are names, so quote it"
 
 
 # What transformers' get_scheduler passes each schedule function itself (lr_scheduler_kwargs may not repeat them).

@@ -308,7 +308,7 @@ def hold_out(part: Tokenized, rows: np.ndarray) -> tuple[Tokenized, Tokenized]:
 
 
 CACHE_FIELDS = ("completion_only_loss", "truncation_side", "assistant_only_loss", "chat_template",
-                "train_on_last_turn_only", "no_assistant_turn", "history")
+                "train_on_last_turn_only", "no_assistant_turn", "history", "chat_template_kwargs")
 
 
 def cache_fingerprint(raw: datasets.Dataset, build: Build, decided: SourceFormat, encoding: Encoding) -> str:
@@ -347,7 +347,8 @@ def make_renderer(config: SFTConfig, decided: SourceFormat, tokenizer: PreTraine
     chat = None
     if conversational:
         chat = ChatRenderer(tokenizer, config.chat_template, config.assistant_only_loss,
-                            config.train_on_last_turn_only, config.no_assistant_turn, config.history, eos)
+                            config.train_on_last_turn_only, config.no_assistant_turn, config.history, eos,
+                            config.chat_template_kwargs)
     stops = () if conversational else answer_stops(tokenizer, eos)
     return row_renderer(fmt, decided.completion_only_loss, chat, stops)
 

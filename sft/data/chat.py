@@ -28,7 +28,7 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 from sft.config.names import HISTORY, NO_ASSISTANT_TURN
 from sft.data.chat_templates import PRESETS, REASONING_TAGS, TEMPLATE_ERRORS, resolve_chat_template, tokens_not_in_vocab
 from sft.data.formats import Rendered
-from sft.data.messages import Message, Row, conversation
+from sft.data.messages import Message, Row, conversation, template_kwargs
 from sft.data.stops import message_delimiters, stop_tokens
 from sft.data.template_inputs import TemplateInputs
 from sft.data.turns import common_prefix, turn_text
@@ -62,12 +62,13 @@ class ChatRenderer:
         no_assistant_turn: "error" or "drop" (render_row returns []) for a row without an assistant message.
         history: split, last or error, for turns the template renders differently once later turns follow.
         generation_eos: the model generation config's eos_token_id (an id or a list): more tokens that end turns.
+        template_kwargs: the recipe's chat_template_kwargs, variables of every rendering (a row's column goes over).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None,
                  assistant_only_loss: bool = True, train_on_last_turn_only: bool = False,
                  no_assistant_turn: str = "error", history: str = "split",
-                 generation_eos: int | list[int] | None = None) -> None:
+                 generation_eos: int | list[int] | None = None, template_kwargs: dict | None = None) -> None:
         if no_assistant_turn not in NO_ASSISTANT_TURN:
             raise SFTError(f"no_assistant_turn: {no_assistant_turn!r} is not one of {', '.join(NO_ASSISTANT_TURN)}.")
         if history not in HISTORY:
@@ -79,7 +80,10 @@ class ChatRenderer:
         self.no_assistant_turn = no_assistant_turn
         self.history = history
         self._compiled = _compile_jinja_template(self.template)
-        self._variables = dict(tokenizer.special_tokens_map)
+        self.template_kwargs = dict(template_kwargs or {})
+        # what apply_chat_template passes every template, then the recipe's variables; render_row sets each row's
+        self._specials = dict(tokenizer.special_tokens_map)
+        self._variables = {**self._specials, **self.template_kwargs}
         if chat_template in PRESETS:
             _warn_split_tokens(tokenizer, chat_template)
         self.stops = stop_tokens(tokenizer, self.template, generation_eos)
@@ -101,6 +105,7 @@ class ChatRenderer:
         """The row's examples: usually one; one per trained turn the template renders differently in history
         (history: split); none when the row has no assistant turn and no_assistant_turn is drop."""
         ctx = Row(where, row_number)
+        self._variables = {**self._specials, **template_kwargs(row, ctx, self.template_kwargs)}
         messages, tools = self._conversation(row, ctx)
         if not any(m.role == "assistant" for m in messages):
             if self.no_assistant_turn == "drop":

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from sft.config.validate import template_kwargs_problem
 from sft.errors import SFTError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -174,6 +175,18 @@ def _tool_call(raw: Any, label: str, ctx: Row) -> dict:
     if isinstance(raw.get("id"), str):
         call["id"] = raw["id"]
     return call
+
+
+def template_kwargs(row: dict, ctx: Row, recipe: dict | None) -> dict:
+    """The chat template variables for `row` (the one place that decides them): the recipe's chat_template_kwargs
+    with the row's own `chat_template_kwargs` column (TRL's) over them. Arrow fills keys absent from a row with
+    null, so a null value leaves the recipe's in place; a row without the column (or null) gets the recipe's."""
+    value = row.get("chat_template_kwargs")
+    problem = template_kwargs_problem(value) if value is not None else None
+    if problem:
+        raise ctx.error(f"bad value: {problem}", "Fix the row's value, or leave it null to use the recipe's "
+                        "chat_template_kwargs.", "chat_template_kwargs")
+    return {**(recipe or {}), **(_drop_nulls(value) if isinstance(value, dict) else {})}
 
 
 def _arguments(value: Any) -> Any:

@@ -29,7 +29,7 @@ from sft.check.prove.result import Proof
 from sft.data.chat import THINK, complement
 from sft.data.encode import IGNORE_INDEX
 from sft.data.formats import CHAT_FORMATS
-from sft.data.messages import Row
+from sft.data.messages import Row, template_kwargs
 from sft.data.messages import conversation as read_conversation
 from sft.data.show import show_examples
 from sft.data.stops import stop_token_ids
@@ -83,7 +83,7 @@ def prove_masks(bench: Bench, rows: int, encode_row: Callable[[dict, int], list[
             tally["dropped"] += 1
             continue
         if chat_row(raw[index], fmt):
-            reads = reads_reasoning(bench.tokenizer) if reads is None else reads
+            reads = reads_reasoning(bench.tokenizer, bench.base.chat_template_kwargs) if reads is None else reads
             problems, shown = check_chat_row(bench, raw[index], fmt, examples, stops, tally, reads)
         else:
             problems, shown = check_plain_row(bench, raw[index], fmt, examples, stops, tally)
@@ -122,9 +122,10 @@ def check_chat_row(bench: Bench, row: dict, fmt: str, examples: list[dict], stop
     trained tokens lie in the answers the policy trains; each such answer must be fully trained in one of them.
     `reads`: whether the template renders reasoning fields (`reads_reasoning`; probed here when None)."""
     messages, trained, tools = conversation(row, bench.base.train_on_last_turn_only)
+    variables = template_kwargs(row, Row("(the masks proof)", 0), bench.base.chat_template_kwargs)
     render = lambda msgs, prompt: bench.tokenizer.apply_chat_template(  # noqa: E731
-        msgs, tools=tools, add_generation_prompt=prompt, tokenize=False)
-    reads = reads_reasoning(bench.tokenizer) if reads is None else reads
+        msgs, tools=tools, add_generation_prompt=prompt, tokenize=False, **variables)
+    reads = reads_reasoning(bench.tokenizer, bench.base.chat_template_kwargs) if reads is None else reads
     messages = template_form(render, thinking_read(reads, messages))
     turns = [expected_turn(render, messages, i, i in trained, bench.tokenizer, stops)
              for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -179,12 +180,13 @@ def template_form(render: Callable, messages: list[dict]) -> list[dict]:
     return messages
 
 
-def reads_reasoning(tokenizer: PreTrainedTokenizerBase) -> bool:
+def reads_reasoning(tokenizer: PreTrainedTokenizerBase, variables: dict | None = None) -> bool:
     """Whether the template renders an answer's reasoning fields (GPT-OSS, Nemotron-3): probed once per proof."""
     probe = [{"role": "user", "content": "hi"},
              {"role": "assistant", "content": "hi", "reasoning_content": "PROBE", "thinking": "PROBE"}]
     try:
-        return "PROBE" in tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=False)
+        return "PROBE" in tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=False,
+                                                        **(variables or {}))
     except (TemplateError, TypeError):
         return False
 
