@@ -665,6 +665,39 @@ def test_a_bad_recipe_chat_template_kwargs_exits_2_with_one_line(tmp_path, capsy
     assert said in err and "Traceback" not in err
 
 
+def test_sft_generate_prompts_with_the_runs_kwargs_unless_told(tmp_path, monkeypatch, capsys):
+    """`sft generate` (and `sft chat`, which shares load_for_verb and generate) on a run folder's checkpoint:
+    the prompt ends with the empty think block as the run's recipe.yaml (enable_thinking false) trained it;
+    --chat_template_kwargs overrides it, and a bad one exits 2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import sft.models.saved
+    from sft import load_recipe
+    from sft.cli.main import main
+    from sft.evaluation import generation
+    from sft.training.recipe import save_recipe
+
+    tok, stops = family_tokenizer("qwen3")
+    config = load_recipe(qwen3_recipe(tmp_path, [{"messages": [ASK, FOUR]}], chat_template_kwargs=NO_THINK))
+    run = Path(config.output_dir)
+    (run / "checkpoint-5").mkdir(parents=True)
+    save_recipe(config, run / "recipe.yaml")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=4, eos_token_id=stops))
+    monkeypatch.setattr(sft.models.saved, "load_for_inference", lambda *args: (model, tok))
+    prompts = []
+    render = generation.render_prompt
+    monkeypatch.setattr(generation, "render_prompt", lambda *a: prompts.append(render(*a)[0]) or render(*a))
+    question = ["--prompt", ASK["content"], "--max_new_tokens", "1"]
+    assert main(["generate", str(run / "checkpoint-5"), *question]) in (0, None)
+    assert main(["generate", str(run), *question, "--chat_template_kwargs", "{enable_thinking: true}"]) in (0, None)
+    asked = f"<|im_start|>user\n{ASK['content']}<|im_end|>\n<|im_start|>assistant\n"
+    assert prompts == [asked + EMPTY_THINK, asked]
+    capsys.readouterr()
+    assert main(["generate", str(run), *question, "--chat_template_kwargs", "[enable_thinking]"]) == 2
+    assert "Bad value for --chat_template_kwargs: ['enable_thinking'] is not a mapping" in capsys.readouterr().err
+
+
 def test_mask_proof_renders_with_the_recipes_kwargs(tmp_path):
     """`sft check --prove` renders its expected masks with the recipe's (and rows') kwargs: a Qwen3 recipe with
     enable_thinking false is proven, its empty think blocks untrained."""

@@ -197,6 +197,8 @@ def add_generation_options(sub: argparse.ArgumentParser) -> None:
                      help="prompt format: the tokenizer's chat template, or the Alpaca prompt that alpaca data trains "
                           "on (auto: what an sft run trained on, from its data_stats.json; else the chat template "
                           "if the tokenizer has one; for an encoder-decoder, the message as is)")
+    sub.add_argument("--chat_template_kwargs", help="chat template variables as a YAML mapping, e.g. "
+                     "'{enable_thinking: false}' (default: those of the run's recipe.yaml, as its masks trained)")
     sub.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights dtype (auto: as saved)")
     sub.add_argument("--base_model", help="for adapters: use this base instead of the one in adapter_config.json")
 
@@ -222,7 +224,7 @@ def run_merge(args: argparse.Namespace, rest: list[str]) -> None:
 
 def load_for_verb(args: argparse.Namespace, rest: list[str]) -> tuple:
     """(model, tokenizer, options) for generate and chat."""
-    from sft.evaluation.generation import GenerationOptions, trained_template
+    from sft.evaluation.generation import GenerationOptions, prompt_template_kwargs, trained_template
     from sft.models.saved import load_for_inference
 
     reject_extra(rest)
@@ -231,7 +233,8 @@ def load_for_verb(args: argparse.Namespace, rest: list[str]) -> tuple:
         log.info("Prompting with the %s format %s was trained on (--template chat or alpaca to choose).",
                  "Alpaca prompt" if template == "alpaca" else "chat template", args.model_dir)
     options = GenerationOptions(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                                temperature=args.temperature, top_p=args.top_p, seed=args.seed, template=template)
+                                temperature=args.temperature, top_p=args.top_p, seed=args.seed, template=template,
+                                chat_template_kwargs=prompt_template_kwargs(args.chat_template_kwargs, args.model_dir))
     options.check()  # before the model loads
     model, tokenizer = load_for_inference(args.model_dir, args.dtype, args.base_model)
     return model, tokenizer, options

@@ -8,6 +8,7 @@ from typing import Any
 import jinja2
 import torch
 import transformers
+import yaml
 from peft import PeftModel
 from transformers import (
     GenerationConfig,
@@ -17,6 +18,7 @@ from transformers import (
 )
 
 from sft import rundir
+from sft.config.validate import template_kwargs_problem
 from sft.data.chat_templates import REASONING_TAGS
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT, CHAT_FORMATS
 from sft.data.stops import stop_token_ids
@@ -38,6 +40,7 @@ class GenerationOptions:
     top_p: float = 0.9
     seed: int | None = None
     template: str = "auto"  # auto: the chat template if the tokenizer has one, else alpaca; or chat / alpaca
+    chat_template_kwargs: dict | None = None  # the chat template's variables (trained_template_kwargs)
 
     def check(self) -> None:
         """Values generate() would reject with a traceback, as one-line errors."""
@@ -53,20 +56,22 @@ class GenerationOptions:
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
-                  template: str = "auto", encoder_decoder: bool = False) -> tuple[str, bool]:
+                  template: str = "auto", encoder_decoder: bool = False,
+                  template_kwargs: dict | None = None) -> tuple[str, bool]:
     """The text the model continues (an encoder-decoder: reads), and whether tokenizing it should add special tokens.
 
-    The tokenizer's chat template (template auto or chat), else the Stanford Alpaca no-input prompt that the
+    The tokenizer's chat template (template auto or chat) with the variables `template_kwargs`, else the Stanford Alpaca no-input prompt that the
     alpaca format trains on (it has no system prompt, so system messages are dropped). An encoder-decoder gets
     encoder_source() instead.
     """
     if encoder_decoder:
-        return encoder_source(tokenizer, messages, template), True
+        return encoder_source(tokenizer, messages, template, template_kwargs), True
     if template == "chat" and not tokenizer.chat_template:
         raise SFTError("The tokenizer has no chat template; use the alpaca template or a model saved with one.")
     if template == "chat" or (template == "auto" and tokenizer.chat_template):
         try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **(template_kwargs or {})), False
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as err:
             raise SFTError(f"The model's chat template failed on this conversation ({type(err).__name__}: "
                            f"{str(err).splitlines()[0] if str(err) else ''}). Fix chat_template.jinja in the model "
@@ -88,7 +93,36 @@ def trained_template(folder: str | Path) -> str | None:
     return "alpaca" if formats == {"alpaca"} else "chat" if formats <= set(CHAT_FORMATS) else None
 
 
-def encoder_source(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], template: str) -> str:
+def trained_template_kwargs(folder: str | Path) -> dict | None:
+    """The chat_template_kwargs a run folder (or one of its checkpoints) trained with, from its recipe.yaml: the
+    prompt `sft chat`/`generate` build must be the one its masks trained on; None where no recipe is recorded (a
+    merged model, a Hub model) or it set none."""
+    recipe = rundir.run_file(Path(folder), "recipe.yaml")  # a checkpoint's is its run's
+    try:
+        values = yaml.safe_load(recipe.read_text(encoding="utf-8")) if recipe else None
+    except (OSError, yaml.YAMLError):
+        return None
+    kwargs = values.get("chat_template_kwargs") if isinstance(values, dict) else None
+    return kwargs if isinstance(kwargs, dict) and kwargs else None
+
+
+def prompt_template_kwargs(flag: str | None, folder: str | Path) -> dict | None:
+    """The chat template variables of `sft chat`/`generate`: --chat_template_kwargs (a YAML mapping) when given,
+    else those the run trained with (trained_template_kwargs)."""
+    if flag is None:
+        return trained_template_kwargs(folder)
+    try:
+        value = yaml.safe_load(flag)
+    except yaml.YAMLError as err:
+        value = f"{flag} (not YAML: {str(err).splitlines()[0]})"
+    problem = template_kwargs_problem(value if value is not None else {})
+    if problem:
+        raise SFTError(f"Bad value for --chat_template_kwargs: {problem}.")
+    return value or None
+
+
+def encoder_source(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], template: str,
+                   template_kwargs: dict | None = None) -> str:
     """An encoder-decoder's input: the last user message alone, as is (template auto: seq2seq and prompt_completion
     rows train on plain sources) or in the Alpaca prompt / chat template asked for (tokenized, like training's
     sources, with the special tokens).
@@ -97,7 +131,8 @@ def encoder_source(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, 
     never saw: `sft chat` on such a model answers each message on its own.
     """
     turn = [m for m in messages if m["role"] == "system"] + [m for m in messages if m["role"] == "user"][-1:]
-    return turn[-1]["content"] if template == "auto" else render_prompt(tokenizer, turn, template)[0]
+    return turn[-1]["content"] if template == "auto" else render_prompt(tokenizer, turn, template,
+                                                                         template_kwargs=template_kwargs)[0]
 
 
 def alpaca_prompt(messages: list[dict[str, str]]) -> str:
@@ -120,7 +155,8 @@ def generate(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerB
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     encoder_decoder = model.config.is_encoder_decoder
-    text, add_special_tokens = render_prompt(tokenizer, messages, options.template, encoder_decoder)
+    text, add_special_tokens = render_prompt(tokenizer, messages, options.template, encoder_decoder,
+                                             options.chat_template_kwargs)
     encoded = tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens)
     inputs = {key: encoded[key].to(model.device) for key in ("input_ids", "attention_mask")}
     if options.seed is not None:
