@@ -60,9 +60,9 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, s
                   template_kwargs: dict | None = None) -> tuple[str, bool]:
     """The text the model continues (an encoder-decoder: reads), and whether tokenizing it should add special tokens.
 
-    The tokenizer's chat template (template auto or chat) with the variables `template_kwargs`, else the Stanford Alpaca no-input prompt that the
-    alpaca format trains on (it has no system prompt, so system messages are dropped). An encoder-decoder gets
-    encoder_source() instead.
+    The tokenizer's chat template (template auto or chat) with the variables `template_kwargs`, else the Stanford
+    Alpaca no-input prompt that the alpaca format trains on (it has no system prompt, so system messages are
+    dropped). An encoder-decoder gets encoder_source() instead.
     """
     if encoder_decoder:
         return encoder_source(tokenizer, messages, template, template_kwargs), True
@@ -97,7 +97,7 @@ def trained_template_kwargs(folder: str | Path) -> dict | None:
     """The chat_template_kwargs a run folder (or one of its checkpoints) trained with, from its recipe.yaml: the
     prompt `sft chat`/`generate` build must be the one its masks trained on; None where no recipe is recorded (a
     merged model, a Hub model) or it set none."""
-    recipe = rundir.run_file(Path(folder), "recipe.yaml")  # a checkpoint's is its run's
+    recipe = rundir.run_file(Path(folder), rundir.RECIPE)  # a checkpoint's is its run's
     try:
         values = yaml.safe_load(recipe.read_text(encoding="utf-8")) if recipe else None
     except (OSError, yaml.YAMLError):
