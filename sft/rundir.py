@@ -2,8 +2,9 @@
 
 A folder is an sft run when it holds the manifest. An entry is sft's when the manifest lists it with the size and
 content hash sft left it with (a file a user edited afterwards, e.g. the model card README.md, is the user's
-again), or when it is a checkpoint folder of a training run (a run killed mid-save never listed it). Everything else is
-foreign: sft refuses to write into a folder holding foreign entries and never deletes them.
+again). A training run records each checkpoint folder as it moves it into place; the staging folder of a save a kill
+interrupted and the Trainer's TensorBoard logs (runs/) are its own unlisted. Everything else is foreign: sft refuses
+to write into a folder holding foreign entries and never deletes them.
 """
 
 import hashlib
@@ -19,7 +20,10 @@ from sft.errors import SFTError
 MANIFEST = "sft_run.json"
 # The Trainer's checkpoint folders, sft's staging ones and TensorBoard logs: sft's in a marked folder even when a
 # killed run never listed them.
-CHECKPOINT_NAME = re.compile(r"(checkpoint-\d+|\.staging-\d+|runs)$")
+CHECKPOINT_NAME = re.compile(r"(checkpoint-\d+|\.staging-\d+|runs)$")  # what a training run writes beside its files
+# Of those, what a training run leaves unlisted: a save's staging folder (a kill mid-save), the Trainer's logs. A
+# checkpoint-N is listed as it is moved into place; an unlisted one is the user's (a model they put there was deleted).
+UNLISTED = re.compile(r"(\.staging-\d+|runs)$")
 SHOWN = 8  # foreign names listed in a refusal
 HASHED_BYTES = 16 * 2**20  # larger files (weights) are identified by size alone: hashing them costs seconds
 # A training run's recipe, which `sft train` records before any checkpoint: a manifest listing it marks a training
@@ -59,9 +63,9 @@ def foreign_entries(out: Path) -> list[str]:
     owned = read_manifest(out)
     if owned is None:
         return sorted(p.name for p in entries(out))
-    trained = RECIPE in owned  # an unlisted checkpoint-N or runs/ elsewhere is the user's (their own Trainer's)
+    trained = RECIPE in owned  # runs/ beside an eval's or merge's files is the user's (their own Trainer's)
     return sorted(p.name for p in entries(out) if p.name != MANIFEST and not (
-        (p.name in owned and owned[p.name] == _stamp(p)) or (trained and p.is_dir() and CHECKPOINT_NAME.match(p.name))))
+        (p.name in owned and owned[p.name] == _stamp(p)) or (trained and p.is_dir() and UNLISTED.match(p.name))))
 
 
 def describe(names: list[str]) -> str:
@@ -108,12 +112,15 @@ def is_run(out: Path) -> bool:
     return read_manifest(out) is not None
 
 
-def claim(out: Path, names: list[str] | None = None) -> None:
-    """Record `names` (default: every entry of `out`) as written by sft, keeping earlier records."""
+def claim(out: Path, names: list[str] | None = None, folders: tuple[str, ...] = ()) -> None:
+    """Record `names` (default: every entry of `out`) as written by sft, keeping earlier records. `folders` are
+    recorded before they exist (folders are known by name): a checkpoint about to be renamed into place, so a kill
+    between the rename and the record cannot leave it foreign."""
     recorded = read_manifest(out) or {}
     for name in names if names is not None else [p.name for p in entries(out)]:
         if name != MANIFEST and (out / name).exists():
             recorded[name] = _stamp(out / name)
+    recorded.update(dict.fromkeys(folders))
     staging = out / (MANIFEST + ".tmp")
     staging.write_text(json.dumps({"written_by": "sft", "entries": recorded}, indent=1) + "\n", encoding="utf-8")
     staging.replace(out / MANIFEST)  # a crash never leaves a half-written manifest

@@ -130,6 +130,25 @@ def test_eval_beside_a_users_own_checkpoints_keeps_them_theirs(tmp_path, capsys)
     assert (snapshot(out / "checkpoint-500"), snapshot(out / "runs")) == before
 
 
+def test_a_users_checkpoint_folder_in_a_finished_run_is_theirs_its_own_checkpoints_are_sft_s(tmp_path, capsys):
+    """Any checkpoint-N folder of a training run counted as sft's (a killed run never listed them): a model the user
+    put in RUN/checkpoint-99 was deleted by --overwrite_output_dir (exit 0). Each checkpoint is recorded now as it is
+    moved into place, so the run's own are still replaced and resumed from, and the user's is refused."""
+    out = tmp_path / "run"
+    path = recipe(tmp_path, out)
+    saving = ["--save_strategy", "steps", "--save_steps", "1", "--max_steps", "2"]
+    assert run("train", path, *saving) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert rundir.foreign_entries(out) == []
+    assert run("train", path, *saving, "--max_steps", "3", "--resume_from_checkpoint", "true") == 0  # its own
+    assert (out / "checkpoint-3").is_dir() and rundir.foreign_entries(out) == []
+    shutil.copytree(EMBEDDED_MODEL, out / "checkpoint-99")
+    before = snapshot(out / "checkpoint-99")
+    assert run("train", path, *saving, "--overwrite_output_dir", "true") == 2
+    assert "checkpoint-99" in capsys.readouterr().err
+    assert snapshot(out / "checkpoint-99") == before
+
+
 def test_overwrite_never_deletes_the_model_the_run_trains_from(tmp_path, capsys):
     """Continuing a run in its own folder (--model_name_or_path RUN --output_dir RUN --overwrite_output_dir true)
     deleted the model being trained from before the new one was saved: a run that failed or was killed left

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
+from sft import rundir
 from sft.errors import SFTError
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,8 @@ class CheckpointStaging:
             # their own shards), and the staging folder is gone by then.
             state.best_model_checkpoint = str(Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}")
         if args.should_save:
+            if rundir.is_run(Path(run_dir)):  # sft train's run (not a Trainer used from Python): the folder is sft's
+                rundir.claim(Path(run_dir), [], folders=(f"{PREFIX_CHECKPOINT_DIR}-{step}",))
             promote(run_dir, step)
             rotate(run_dir, args.save_total_limit, state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
