@@ -184,6 +184,7 @@ def test_merge_refuses_an_output_inside_a_run_and_never_replaces_a_run(lora_run,
     run = tmp_path / "run"
     shutil.copytree(lora_run, run)
     (run / "checkpoint-2").mkdir()
+    rundir.claim(run, [], folders=("checkpoint-2",))  # as a training run records each checkpoint it saves
     before = snapshot(run)
     for inside in (run / "merged", run / "checkpoint-9", run / "checkpoint-2" / "merged"):
         assert main(["merge", str(run), str(inside)]) == 2
