@@ -1,5 +1,6 @@
 """Trained text of publisher chat templates beyond the fixtures (tests/templates, sources in SOURCES.md): Seed-OSS,
-MiniMax-M2, Kimi-K2 and Kimi-K2-Thinking, IBM Granite 3.3 and 4.0, Mistral Small 3.2, DeepSeek-R1-Distill-Qwen.
+MiniMax-M2, Kimi-K2 and Kimi-K2-Thinking, IBM Granite 3.3 and 4.0, Mistral Small 3.2, Ministral-3 Reasoning,
+DeepSeek-R1-Distill-Qwen.
 They guard the general rule of sft/data/chat.py (no per-template code): each trained assistant turn is what the
 model generates after the generation prompt, through its stop token; prompts, system text and tool results are
 never trained. Expected texts are written per family from the template's meaning, on the conversations and the
@@ -14,6 +15,7 @@ import pytest
 from test_template_masks import (
     CALL,
     CONVERSATIONS,
+    FOUR,
     NO_CALLS,
     NO_REASONING,
     RESULT,
@@ -27,6 +29,7 @@ from test_template_masks import (
 )
 
 from sft.data.chat import ChatRenderer
+from sft.data.encode import Encoding
 from sft.errors import SFTError
 
 from conftest import FIXTURES
@@ -60,6 +63,8 @@ FAMILIES = {
     "granite_4_0": (GRANITE, "<|end_of_text|>", "<|end_of_text|>", ["<|end_of_text|>"]),
     # mistralai Mistral-Small-3.2-24B-Instruct-2506: eos_token_id 2 (</s>)
     "mistral_small_3_2": (MISTRAL, "<s>", "</s>", ["</s>"]),
+    # mistralai Ministral-3-14B-Reasoning-2512: eos_token_id 2 (</s>); [THINK] and [/THINK] are tokens 34 and 35
+    "ministral_3_reasoning": (MISTRAL + ["[THINK]", "[/THINK]"], "<s>", "</s>", ["</s>"]),
     # deepseek-ai DeepSeek-R1-Distill-Qwen-32B: eos_token_id 151643 (<｜end▁of▁sentence｜>)
     "deepseek_r1_distill_qwen": (DEEPSEEK, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", ["<｜end▁of▁sentence｜>"]),
 }
@@ -116,6 +121,12 @@ EXPECTED = {
                     "reasoning": NO_REASONING, "tool": call_texts(GRANITE_CALL, "<|end_of_text|>")},
     "mistral_small_3_2": {"multi": answers("", "</s>"), "no_system": answers("", "</s>"), "reasoning": NO_REASONING,
                           "tool": call_texts('[TOOL_CALLS]get_weather[CALL_ID]call00001[ARGS]{"city": "Paris"}', "</s>")},
+    # Ministral-3 Reasoning reads reasoning only as a {"type": "thinking"} content part and writes it as
+    # [THINK]...[/THINK] before the answer, in every turn (history as generated: one example). The prompt ends
+    # "[/INST]"; the model writes the think block, the answer and </s>.
+    "ministral_3_reasoning": {"multi": answers("", "</s>"), "no_system": answers("", "</s>"),
+                              "reasoning": reasoned("[THINK]", "[/THINK]", "</s>"),
+                              "tool": call_texts('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "</s>")},
     # R1-Distill: the prompt ends "<｜Assistant｜><think>\n", a rendered answer "<｜Assistant｜>answer" (reasoning cut
     # from every turn): the turn starts where the two differ. Its calls render only with null content and end with
     # neither <｜tool▁calls▁end｜> nor a stop token (llama.cpp calls this official template broken): refused.
@@ -149,7 +160,8 @@ def test_split_counts():
                      for kind in CONVERSATIONS if not isinstance(EXPECTED[name][kind], str)] for name in EXPECTED}
     assert counts == {"seed_oss": [1, 1, 1, 1], "minimax_m2": [1, 1, 2, 1], "kimi_k2": [1, 1, 1],
                       "kimi_k2_thinking": [1, 1], "granite_3_3": [1, 1], "granite_4_0": [1, 1, 1],
-                      "mistral_small_3_2": [1, 1, 1], "deepseek_r1_distill_qwen": [1, 1]}
+                      "mistral_small_3_2": [1, 1, 1], "ministral_3_reasoning": [1, 1, 1, 1],
+                      "deepseek_r1_distill_qwen": [1, 1]}
 
 
 def kimi_call(reasoning: str = "") -> dict:
@@ -220,3 +232,65 @@ def test_a_call_the_template_renders_without_its_name_is_refused_showing_what_it
     row = {"messages": [WEATHER, kimi_call(), dict(RESULT, tool_call_id="functions.get_weather:0"), SUNNY],
            "tools": TOOLS}
     assert trained_texts(tok, "kimi_k2_thinking", row, stops) == call_texts(KIMI_CALL, "<|im_end|>", "<think></think>")
+
+
+MINISTRAL_CALL = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+
+
+def test_ministral_trains_reasoning_of_calls_and_think_blocks_as_thinking_parts():
+    """Reasoning under any name, or a leading <think> block in the content, reaches Ministral-3 Reasoning as a
+    {"type": "thinking"} part before the answer's text part (a call's reasoning alone): all were refused as "does
+    not render this assistant message's reasoning", the template ignoring reasoning_content."""
+    tok, stops = family_tokenizer("ministral_3_reasoning")
+    row = {"messages": [WEATHER, dict(CALL, thinking="Need the weather."), RESULT,
+                        dict(SUNNY, content="<think>\nIt says sunny.\n</think>\n\nIt is sunny in Paris.")],
+           "tools": TOOLS}
+    assert trained_texts(tok, "ministral_3_reasoning", row, stops) == [
+        "[THINK]Need the weather.[/THINK]" + MINISTRAL_CALL + "</s>",
+        "[THINK]It says sunny.[/THINK]It is sunny in Paris.</s>"]
+    mixed = {"messages": [CONVERSATIONS["reasoning"]["messages"][0], dict(FOUR, reasoning="Add two and two."),
+                          *CONVERSATIONS["no_system"]["messages"][2:]]}
+    assert trained_texts(tok, "ministral_3_reasoning", mixed, stops) == [
+        "[THINK]Add two and two.[/THINK]It is 4.</s>", "It is 6.</s>"]
+
+
+@pytest.mark.parametrize("history", ["split", "last", "error"])
+def test_ministral_keeps_earlier_reasoning_so_every_history_policy_trains_both_turns_in_one_example(history):
+    tok, stops = family_tokenizer("ministral_3_reasoning")
+    examples = ChatRenderer(tok, generation_eos=stops, history=history).render_row(
+        CONVERSATIONS["reasoning"], "chat.jsonl", 3)
+    assert len(examples) == 1
+    assert examples[0].text.endswith("[INST]What is 2+2?[/INST][THINK]Add two and two.[/THINK]It is 4.</s>"
+                                     "[INST]And 3+3?[/INST][THINK]Add three and three.[/THINK]It is 6.</s>")
+    assert trained_texts(tok, "ministral_3_reasoning", CONVERSATIONS["reasoning"], stops, history=history) == \
+        reasoned("[THINK]", "[/THINK]", "</s>")
+
+
+def test_show_marks_ministral_reasoning_apart():
+    from sft.data.show import show_examples
+
+    tok, stops = family_tokenizer("ministral_3_reasoning")
+    examples = ChatRenderer(tok, generation_eos=stops).render_row(CONVERSATIONS["reasoning"], "chat.jsonl", 3)
+    encoded = Encoding(tok, max_length=10**6).encode(examples)
+    example = {key: encoded[key][0] for key in ("input_ids", "labels", "kinds")}
+    shown = show_examples([example], tok, 1, color=False)
+    assert ("[/INST][[channel: [THINK]]][[reasoning: Add two and two.]][[channel: [/THINK]]][[It is 4.</s>]]"
+            in shown)
+    assert encoded["reasoning"] == [sum(len(tok(text, add_special_tokens=False)["input_ids"])
+                                        for text in ("Add two and two.", "Add three and three."))]
+
+
+def test_only_a_template_reading_thinking_parts_gets_them():
+    """The probe: Ministral-3 Reasoning renders a thinking part and ignores the fields; every other stored template
+    either reads the fields or renders no reasoning (Mistral Small 3.2 prints typed parts' text only)."""
+    probed = {name: ChatRenderer(family_tokenizer(name)[0])._inputs.thinking_parts for name in FAMILIES}
+    assert probed == {name: name == "ministral_3_reasoning" for name in FAMILIES}
+
+
+@pytest.mark.parametrize("printed", ["{{ m.content }}", "{{ m.content | tojson }}"])
+def test_a_template_printing_the_content_list_does_not_read_thinking_parts(printed):
+    """Such a template shows the part's reasoning too, key names and all (not a form a model is trained on): the
+    probe's marker comes out escaped there, so the renderer keeps passing reasoning as fields."""
+    tok = copy.deepcopy(family_tokenizer("mistral_small_3_2")[0])
+    tok.chat_template = "{% for m in messages %}" + printed + "</s>{% endfor %}"
+    assert not ChatRenderer(tok)._inputs.thinking_parts

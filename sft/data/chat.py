@@ -261,7 +261,12 @@ class ChatRenderer:
         elif think and not self._inputs.reads_reasoning:
             message.answer = content[think.end():]  # rendered verbatim; a template that drops it is refused
             message.reasoning = think.group(1)
-        if self._inputs.parts:
+        if self._inputs.thinking_parts and data.get("reasoning_content"):
+            # the only form these templates render reasoning in; an empty answer (a call) gets no text part
+            answer = [{"type": "text", "text": data["content"]}] if data["content"] else []
+            data["content"] = [{"type": "thinking", "thinking": data.pop("reasoning_content")}] + answer
+            del data["thinking"]
+        elif self._inputs.parts:
             data["content"] = [{"type": "text", "text": data["content"]}]
         for call in data.get("tool_calls") or []:
             call["function"]["arguments"] = self._inputs.arguments(call["function"]["arguments"])
