@@ -257,12 +257,15 @@ def test_every_shipped_recipe_passes_prove(recipe, monkeypatch):
 # The mask proof on every fixture chat template (../shared/fixtures/templates), called per row with a light bench
 # ---------------------------------------------------------------------------------------------------------------
 
-def chat_row_proof(name: str, row: dict, unstop: tuple[str, ...] = (),
-                   edit: Callable[[list[int]], list[int]] = list) -> tuple[list[str], Counter] | None:
+def chat_row_proof(name: str, row: dict, unstop: tuple[str, ...] = (), edit: Callable[[list[int]], list[int]] = list,
+                   wild: bool = False) -> tuple[list[str], Counter] | None:
     """The mask proof's problems and tally on one conversation as sft encodes it with the family's
     publisher stop tokens (the proof told that `unstop` are none; `edit` applied to each example's labels);
-    None when sft refuses the row."""
-    from test_template_masks import family_tokenizer
+    None when sft refuses the row. `wild`: a template of tests/templates (test_wild_templates)."""
+    if wild:
+        from test_wild_templates import family_tokenizer
+    else:
+        from test_template_masks import family_tokenizer
 
     tok, stops = family_tokenizer(name)
     try:
@@ -293,6 +296,21 @@ def test_mask_proof_passes_every_fixture_template_wherever_sft_trains_the_row(na
                 if result is not None and (result[0] or not result[1]["turns"] or result[1]["unplaced"])}
     assert not failures
     assert any(results.values())  # every family trains some conversation: the test is not vacuous
+
+
+def test_mask_proof_passes_reasoning_passed_as_thinking_parts():
+    """Ministral-3 Reasoning renders reasoning only from a thinking content part, as sft now passes it; the proof
+    rendered the expected turns from reasoning_content, which the template ignores, and failed every such row
+    ("the encoder's tokens are not the template's rendering of this conversation")."""
+    from test_template_masks import CALL, CONVERSATIONS, RESULT, SUNNY, TOOLS, WEATHER, reasoning_row
+
+    if not (FIXTURES / "tokenizers").is_dir():
+        pytest.skip(f"fixture tokenizers not found at {FIXTURES / 'tokenizers'}")
+    rows = {**CONVERSATIONS, "think_in_content": reasoning_row(content="<think>\n{0}\n</think>\n\n{1}"),
+            "call": {"messages": [WEATHER, dict(CALL, reasoning_content="Need it."), RESULT, SUNNY], "tools": TOOLS}}
+    results = {kind: chat_row_proof("ministral_3_reasoning", row, wild=True) for kind, row in rows.items()}
+    assert results == {kind: ([], Counter(turns=2, missing=0, cut=0, extra=0, no_stop=0, unplaced=0))
+                       for kind in rows}
 
 
 @pytest.mark.parametrize("kind", ["multi", "tool"])

@@ -76,7 +76,7 @@ def prove_masks(bench: Bench, rows: int, encode_row: Callable[[dict, int], list[
     encode_row = encode_row or bench.row_encoder()
     stops = stop_ids(bench)
     tally: Counter = Counter()
-    evidence, reads = "", None  # reads: whether the template renders reasoning fields, probed at the first chat row
+    evidence, reads = "", None  # reads: how the template renders reasoning, probed at the first chat row
     for index in sorted(random.Random(0).sample(range(len(raw)), min(rows, len(raw)))):
         examples = encode_row(raw[index], index + 1)
         if not examples:
@@ -117,16 +117,18 @@ def chat_row(row: dict, fmt: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 
 def check_chat_row(bench: Bench, row: dict, fmt: str, examples: list[dict], stops: set[int],
-                   tally: Counter, reads: bool | None = None) -> tuple[list[str], dict]:
+                   tally: Counter, reads: str | None = None) -> tuple[list[str], dict]:
     """Each example must be a rendering of the conversation (whole, or up to one answer: `history: split`) whose
     trained tokens lie in the answers the policy trains; each such answer must be fully trained in one of them.
-    `reads`: whether the template renders reasoning fields (`reads_reasoning`; probed here when None)."""
+    `reads`: how the template renders reasoning (`reads_reasoning`; probed here when None)."""
     messages, trained, tools = conversation(row, bench.base.train_on_last_turn_only)
     variables = template_kwargs(row, Row("(the masks proof)", 0), bench.base.chat_template_kwargs)
     render = lambda msgs, prompt: bench.tokenizer.apply_chat_template(  # noqa: E731
         msgs, tools=tools, add_generation_prompt=prompt, tokenize=False, **variables)
     reads = reads_reasoning(bench.tokenizer, bench.base.chat_template_kwargs) if reads is None else reads
     messages = template_form(render, thinking_read(reads, messages))
+    if reads == "parts":  # Magistral, Ministral-3 Reasoning render reasoning only from a thinking content part
+        messages = [thinking_part(m) for m in messages]
     turns = [expected_turn(render, messages, i, i in trained, bench.tokenizer, stops)
              for i, m in enumerate(messages) if m["role"] == "assistant"]
     candidates = [render(messages, False)] + [t.text for t in turns]
@@ -180,20 +182,35 @@ def template_form(render: Callable, messages: list[dict]) -> list[dict]:
     return messages
 
 
-def reads_reasoning(tokenizer: PreTrainedTokenizerBase, variables: dict | None = None) -> bool:
-    """Whether the template renders an answer's reasoning fields (GPT-OSS, Nemotron-3): probed once per proof."""
-    probe = [{"role": "user", "content": "hi"},
-             {"role": "assistant", "content": "hi", "reasoning_content": "PROBE", "thinking": "PROBE"}]
-    try:
-        return "PROBE" in tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=False,
-                                                        **(variables or {}))
-    except (TemplateError, TypeError):
-        return False
+def reads_reasoning(tokenizer: PreTrainedTokenizerBase, variables: dict | None = None) -> str:
+    """How the template renders an answer's reasoning: "fields" (GPT-OSS, Nemotron-3), "parts" (only from a thinking
+    content part: Magistral, Ministral-3 Reasoning) or "" (not at all); probed once per proof. The mark's NULs come
+    out escaped where a template prints a content list as it is (its repr), which reads no parts."""
+    mark = "\x00PROBE\x00"
+    answer = {"role": "assistant", "content": "hi", "reasoning_content": mark, "thinking": mark}
+    for form, message in (("fields", answer), ("parts", thinking_part(answer))):
+        try:
+            if mark in tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, message],
+                                                     add_generation_prompt=False, tokenize=False, **(variables or {})):
+                return form
+        except (TemplateError, TypeError):
+            continue
+    return ""
 
 
-def thinking_read(reads: bool, messages: list[dict]) -> list[dict]:
+def thinking_part(message: dict) -> dict:
+    """The message with its reasoning as a {"type": "thinking"} content part, its answer a text part after it."""
+    if not message.get("reasoning_content"):
+        return message
+    answer = [{"type": "text", "text": message["content"]}] if message["content"] else []
+    rest = {k: v for k, v in message.items() if k not in ("reasoning_content", "thinking")}
+    return {**rest, "content": [{"type": "thinking", "thinking": message["reasoning_content"]}] + answer}
+
+
+def thinking_read(reads: str, messages: list[dict]) -> list[dict]:
     """A <think> block opening an answer's content is its reasoning for a template that renders reasoning fields
-    (`reads`: GPT-OSS, Nemotron-3 would otherwise show the block as answer text); others render it verbatim."""
+    (`reads`: GPT-OSS, Nemotron-3 would otherwise show the block as answer text) or a thinking part; others render
+    it verbatim."""
     out = []
     for m in messages:
         think = THINK.match(m["content"]) if reads and m["role"] == "assistant" else None
