@@ -251,8 +251,8 @@ def model_flops(config, tokens: float, attention_pairs: float = 0, frozen: bool 
     under LoRA: no weight gradients; the adapter's <1% is not counted), plus attention: QK^T and AV cost 4 x
     (heads x head_dim) FLOPs per causal query-key pair and layer forward, x3 with the backward.
     `attention_pairs` = sum of n(n+1)/2 over the examples (each attends only within itself); 0 leaves it out."""
-    from sft.planning.memory import head_dim
-    from sft.planning.plan import matmul_params  # the planner's count: decoder layers + LM head, no embedding lookup
+    # matmul_params: the planner's count (decoder layers + LM head, no embedding lookup)
+    from sft.planning.memory import head_dim, matmul_params
 
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * attention_pairs
     return (4 if frozen else 6) * matmul_params(config) * tokens + attention

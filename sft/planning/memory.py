@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from sft.config.arguments import SFTConfig
+from sft.errors import SFTError
 from sft.models.families import has_plain_head
 from sft.training.loss import chunk_rows
 
@@ -118,6 +119,18 @@ class Model:
     eager for Gemma-2, which keeps T x T scores)."""
 
 
+def text_config(arch: PretrainedConfig) -> PretrainedConfig:
+    """The decoder config the formulas read. A multimodal causal LM (Gemma-3 4B+) trains on text: its whole model is
+    loaded, vision tower included, but the tower is frozen (sft.models.loading.freeze_non_text_towers) and text never
+    runs through it, so activations, FLOPs and the head are its text model's. Refuses what the formulas do not
+    describe: encoder-decoders, decoders without one MLP width (Gemma-3n's per-layer widths)."""
+    text = arch.get_text_config()
+    if arch.is_encoder_decoder or not isinstance(getattr(text, "intermediate_size", None), int):
+        raise SFTError(f"sft plan models decoder-only transformers (Llama, Mistral, Qwen, Gemma-3, ...); "
+                       f"{arch.model_type} is not modelled yet. Use `sft check` to validate the recipe.")
+    return text
+
+
 def head_dim(arch: PretrainedConfig) -> int:
     return getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads
 
@@ -137,6 +150,18 @@ def mlp_width(arch: PretrainedConfig) -> int:
         return arch.intermediate_size
     width = getattr(arch, "moe_intermediate_size", None) or arch.intermediate_size
     return experts * width + (getattr(arch, "shared_expert_intermediate_size", None) or 0)
+
+
+def matmul_params(arch: PretrainedConfig) -> int:
+    """Weights every token multiplies through: decoder layers and the LM head (not the embedding lookup); a
+    multimodal model's text model only (text never runs through its vision tower)."""
+    arch = text_config(arch)
+    h, layers = arch.hidden_size, arch.num_hidden_layers
+    q = arch.num_attention_heads * head_dim(arch)
+    kv = kv_width(arch)
+    router = h * (getattr(arch, "num_local_experts", None) or getattr(arch, "num_experts", None) or 0)
+    per_layer = h * q * 2 + h * kv * 2 + 3 * h * mlp_width(arch) + router  # MoE: the experts a token runs through
+    return layers * per_layer + arch.vocab_size * h
 
 
 def activation_scale(config: SFTConfig) -> int:
@@ -164,7 +189,8 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
     `model` gives the attention implementation the model runs (default the recipe's) and LoRA's merged weights."""
     tokens = setup.micro_batch * setup.max_length
     scale = activation_scale(config)
-    h, q, i = arch.hidden_size, arch.num_attention_heads * head_dim(arch), mlp_width(arch)
+    text = text_config(arch)
+    h, q, i = text.hidden_size, text.num_attention_heads * head_dim(text), mlp_width(text)
     ch, cq, ci = LAYER_BYTES[setup.method]
     saved_h, saved_q, saved_i = compiled_savings(config, setup) or (0.0, 0.0, 0.0)
     ch, cq, ci = ch - saved_h, cq - saved_q, ci - saved_i
@@ -173,9 +199,9 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
         layer += model.layer_merged_bytes + tokens * NORM_BYTES[setup.method] * model.extra_norm_width * scale
     # eager keeps each head's T x T probabilities: float32 and bf16 copy
     if (model.attention if model else config.attn_implementation) == "eager":
-        layer += tokens * setup.max_length * arch.num_attention_heads * EAGER_SCORE_BYTES * scale
+        layer += tokens * setup.max_length * text.num_attention_heads * EAGER_SCORE_BYTES * scale
     residual = 4 if setup.method == "qlora" else 2 * scale  # k-bit preparation keeps the residual in float32
-    saved = arch.num_hidden_layers * (tokens * residual * h if setup.checkpointing else layer)
+    saved = text.num_hidden_layers * (tokens * residual * h if setup.checkpointing else layer)
     head = head_bytes(config, arch, setup, tokens, head_trainable)
     backward = layer + tokens * BACKWARD_I_BYTES * i * scale if setup.checkpointing and setup.method != "full" else 0
     # the last layer's backward (recomputed under checkpointing) runs after the loss's buffers are freed
@@ -190,7 +216,8 @@ def chunked_loss_applies(config: SFTConfig, arch: PretrainedConfig) -> bool:
 
 def head_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: int, trainable: bool) -> int:
     """The LM head and loss at their peak: chunked (one chunk of logits) or full logits."""
-    vocab, h = arch.vocab_size, arch.hidden_size
+    text = text_config(arch)
+    vocab, h = text.vocab_size, text.hidden_size
     if not chunked_loss_applies(config, arch):
         return tokens * vocab * FULL_LOGIT_BYTES
     # one chunk: float32 logits (probabilities in place) beside the bf16 product they are cast from, then beside
@@ -255,19 +282,20 @@ def eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, model: M
         return 0
     batch = setup.eval_batch
     tokens = batch * setup.max_length
+    text = text_config(arch)
     if chunked_loss_applies(config, arch):
-        memory = chunked_eval_bytes(config, arch, setup, tokens, model)
+        memory = chunked_eval_bytes(config, text, setup, tokens, model)
     else:
-        memory = tokens * arch.vocab_size * EVAL_LOGIT_BYTES
+        memory = tokens * text.vocab_size * EVAL_LOGIT_BYTES
     if not config.predict_with_generate:
         return memory
     new = config.max_new_tokens or config.generation_max_length or 128
-    return memory + 2 * arch.num_hidden_layers * kv_width(arch) * (setup.max_length + new) * batch * 2
+    return memory + 2 * text.num_hidden_layers * kv_width(text) * (setup.max_length + new) * batch * 2
 
 
 def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: int, model: Model) -> int:
     """sft.training.loss.chunked_forward without grad: a decoder layer's transient, or later the head's, whichever
-    is larger."""
+    is larger (`arch`: the text model's config)."""
     vocab, h = arch.vocab_size, arch.hidden_size
     scale = activation_scale(config)
     ch, ci = EVAL_LAYER_BYTES[setup.method]

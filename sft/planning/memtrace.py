@@ -125,6 +125,7 @@ def quantize_layers(model: nn.Module, config: SFTConfig) -> None:
 def build_model(config: SFTConfig, model_config: PretrainedConfig, device: str) -> nn.Module:
     """The recipe's model (random weights on `device`) prepared as `sft train` prepares it on one GPU."""
     from sft.models.adapters import add_adapter
+    from sft.models.loading import freeze_non_text_towers
 
     model_config = model_config.__class__.from_dict({**model_config.to_dict(), "use_cache": False})
     # unset: transformers' own choice, as `sft train` loads it (sdpa where the family supports it, else eager: Gemma-2)
@@ -137,9 +138,15 @@ def build_model(config: SFTConfig, model_config: PretrainedConfig, device: str) 
         try:
             model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
         except ValueError as err:  # e.g. an attn_implementation the family lacks, as from_pretrained refuses it
-            raise SFTError(f"Could not build {model_config.model_type}: {str(err).splitlines()[0]}") from None
+            reason = (str(err).splitlines() or [type(err).__name__])[0]
+            if reason.startswith("Unrecognized configuration class"):  # Qwen2.5-VL, LLaVA-Next, Idefics3, Qwen3-VL
+                reason = ("transformers has no AutoModelForCausalLM class for it, the class `sft train` loads causal "
+                          "LMs with (image-text models such as Qwen2.5-VL or LLaVA load as AutoModelForImageTextToText, "
+                          "which sft does not train)")
+            raise SFTError(f"Could not build {model_config.model_type}: {reason}") from None
         if config.load_in_4bit:
             quantize_layers(model, config)
+        freeze_non_text_towers(model)  # a multimodal model's vision tower, as load_model freezes it
         if config.use_peft:
             model = add_adapter(model, config)
     if config.activation_checkpointing or config.gradient_checkpointing:
@@ -211,9 +218,10 @@ def trace_step(config: SFTConfig, model_config: PretrainedConfig, fake: bool = T
                 tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
         with tracker:
             if evaluate:
-                eval_step(model, config, model_config.vocab_size, "cpu")
+                eval_step(model, config, model_config.get_text_config().vocab_size, "cpu")
             else:
-                train_steps(model, optimizer, config, model_config.vocab_size, "cpu", tracker.reset_mod_stats)
+                train_steps(model, optimizer, config, model_config.get_text_config().vocab_size, "cpu",
+                            tracker.reset_mod_stats)
         snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_kind = {str(getattr(k, "value", k)): v for k, v in snapshot.items() if k != "Total"}
     return Trace(peak=snapshot["Total"], by_kind=by_kind)

@@ -29,9 +29,10 @@ from sft.planning.memory import (
     eval_bytes,
     head_dim,
     kv_width,
+    matmul_params,
     memory_breakdown,
-    mlp_width,
     planned_budget,
+    text_config,
     train_peak,
 )
 from sft.training.presets import fsdp_config_dict, zero_stage
@@ -165,13 +166,14 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
         raise SFTError(f"sft plan cannot find the decoder layers of {arch.model_type}: it is not modelled yet. Use "
                        "`sft check` to validate the recipe.")
     half_bytes = weight_bytes - _bytes(model) + _bytes(model, half=True)
+    text = text_config(arch)
     return Model(weight_bytes=weight_bytes, half_bytes=half_bytes, trainable=sum(p.numel() for p in trainable),
                  trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
-                 matmul_params=matmul_params(arch), layer_bytes=max(_bytes(layer) for layer in layers),
+                 matmul_params=matmul_params(text), layer_bytes=max(_bytes(layer) for layer in layers),
                  layer_half_bytes=max(_bytes(layer, half=True) for layer in layers),
                  layer_merged_bytes=max(_merged_bytes(layer) for layer in layers),
                  # fewer norms than Llama's two (Phi-2's one) are planned as two: an upper bound
-                 extra_norm_width=max(0, max(_norm_width(layer, arch) for layer in layers) - 2 * arch.hidden_size),
+                 extra_norm_width=max(0, max(_norm_width(layer, text) for layer in layers) - 2 * text.hidden_size),
                  attention=unwrapped(model).config._attn_implementation)
 
 
@@ -197,20 +199,11 @@ def _norm_width(layer: torch.nn.Module, arch: PretrainedConfig) -> int:
                if type(module).__name__.endswith("Norm"))  # RMSNorm, LayerNorm (GPT-NeoX), each family's own
 
 
-def matmul_params(arch: PretrainedConfig) -> int:
-    """Weights every token multiplies through: decoder layers and the LM head (not the embedding lookup)."""
-    h, layers = arch.hidden_size, arch.num_hidden_layers
-    q = arch.num_attention_heads * head_dim(arch)
-    kv = kv_width(arch)
-    router = h * (getattr(arch, "num_local_experts", None) or getattr(arch, "num_experts", None) or 0)
-    per_layer = h * q * 2 + h * kv * 2 + 3 * h * mlp_width(arch) + router  # MoE: the experts a token runs through
-    return layers * per_layer + arch.vocab_size * h
-
-
 def flops_per_token(arch: PretrainedConfig, model: Model, setup: Setup) -> tuple[float, float]:
     """(model FLOPs per token: 6N + causal attention, FLOPs the GPU actually runs: no frozen-weight gradients,
-    plus the forward again under checkpointing)."""
-    attention = 6 * arch.num_hidden_layers * setup.max_length * arch.num_attention_heads * head_dim(arch)
+    plus the forward again under checkpointing). Text only: a multimodal model's vision tower never runs."""
+    text = text_config(arch)
+    attention = 6 * text.num_hidden_layers * setup.max_length * text.num_attention_heads * head_dim(text)
     n = model.matmul_params
     passes = (6 if setup.method == "full" else 4) + (2 if setup.checkpointing else 0)
     return 6 * n + attention, passes * n + attention * (1 + (2 / 6 if setup.checkpointing else 0))
@@ -295,15 +288,13 @@ def plan_recipe(config: SFTConfig, gpu: GPU, num_gpus: int = 1, num_nodes: int =
     if num_gpus < 1 or num_nodes < 1:
         raise SFTError("--num_gpus and --num_nodes must be at least 1.")
     arch = arch or model_architecture(config.model_name_or_path, config.revision)
-    if arch.is_encoder_decoder or not hasattr(arch, "intermediate_size"):
-        raise SFTError(f"sft plan models decoder-only transformers (Llama, Mistral, Qwen, ...); {arch.model_type} "
-                       "is not modelled yet. Use `sft check` to validate the recipe.")
+    text = text_config(arch)  # refuses what the formulas do not describe
     setup = setup_of(config, num_gpus, num_nodes)
     models = {setup.method: model_facts(config, arch, setup.method)}
     plan = make_plan(config, arch, gpu, setup, models[setup.method])
     plan.steps, plan.hours = run_length(config, setup, plan.tokens_per_second)
-    plan.notes = [f"model {config.model_name_or_path}: {arch.model_type}, {arch.num_hidden_layers} layers, "
-                  f"hidden {arch.hidden_size}, vocabulary {arch.vocab_size}",
+    plan.notes = [f"model {config.model_name_or_path}: {arch.model_type}, {text.num_hidden_layers} layers, "
+                  f"hidden {text.hidden_size}, vocabulary {text.vocab_size}",
                   f"{gpu.name}: {gpu.bf16_tflops:g} dense {'bf16' if gpu.bf16 else 'fp16'} TFLOP/s at an assumed "
                   f"{gpu.mfu:.0%} utilisation"]
     if not gpu.bf16:
