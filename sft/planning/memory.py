@@ -37,7 +37,8 @@ BACKWARD_I_BYTES = 11
 # Per normalized element, bytes a norm beyond LAYER_BYTES' two keeps for backward (Model.extra_norm_width): full
 # keeps its float32 input and normalized copy as those two do (8, 16h for two); under LoRA the adapted layers' input
 # copies (counted in LAYER_BYTES) share part of it. Fitted to MemTracker on 16-layer Qwen3-0.6B, OLMo-2-1B and
-# Gemma-3-1B (2 x 4096: full within -2..-7%, LoRA within -2..+3%, QLoRA on Qwen3 -4.6% of the trace; tests/test_plan.py).
+# Gemma-3-1B (2 x 4096: full within -2..-7%, LoRA within -2..+3%, QLoRA on Qwen3 -4.6% of the trace;
+# tests/test_plan.py).
 NORM_BYTES = {"full": 8, "lora": 4, "qlora": 4}
 EAGER_SCORE_BYTES = 6  # per attention score per head, eager attention only (sdpa/flash keep no T x T tensor)
 FULL_LOGIT_BYTES = 14  # per logit where training runs no chunked loss: bf16, float32 copy, log-softmax, gradient

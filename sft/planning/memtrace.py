@@ -141,8 +141,8 @@ def build_model(config: SFTConfig, model_config: PretrainedConfig, device: str) 
             reason = (str(err).splitlines() or [type(err).__name__])[0]
             if reason.startswith("Unrecognized configuration class"):  # Qwen2.5-VL, LLaVA-Next, Idefics3, Qwen3-VL
                 reason = ("transformers has no AutoModelForCausalLM class for it, the class `sft train` loads causal "
-                          "LMs with (image-text models such as Qwen2.5-VL or LLaVA load as AutoModelForImageTextToText, "
-                          "which sft does not train)")
+                          "LMs with (image-text models such as Qwen2.5-VL or LLaVA load as "
+                          "AutoModelForImageTextToText, which sft does not train)")
             raise SFTError(f"Could not build {model_config.model_type}: {reason}") from None
         if config.load_in_4bit:
             quantize_layers(model, config)
