@@ -85,3 +85,24 @@ def test_a_multimodal_model_s_towers_are_what_text_never_reaches(tmp_path):
                                    "lora_target_modules": ["q_proj", "v_proj"]}), tokenizer)
     adapted = {name.split(".lora_A")[0] for name, _ in lora.named_parameters() if ".lora_A." in name}
     assert len(adapted) == 4 and all(".language_model.layers." in name for name in adapted)  # 2 layers x q, v
+
+
+def test_a_model_no_causal_lm_class_loads_is_refused_before_the_data_is_read(tmp_path, capsys):
+    """transformers has no AutoModelForCausalLM class for image-text models such as Qwen2.5-VL: `sft train` read and
+    tokenized the data, then failed at model loading. Refused first now (the data file's own error comes after)."""
+    from transformers import Qwen2_5_VLConfig
+
+    from sft.cli.main import main
+
+    model = tmp_path / "qwen2.5-vl"
+    Qwen2_5_VLConfig(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100),
+                     vision_config=dict(depth=1, hidden_size=32, out_hidden_size=32)).save_pretrained(model)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\nnot json\n')
+    for name, expected in ((model, "AutoModelForCausalLM"), (EMBEDDED_MODEL, "line 2")):  # control: data error
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(f"model_name_or_path: {name}\ndataset: {data}\noutput_dir: {tmp_path / 'out'}\n")
+        assert main(["train", str(recipe)]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, err

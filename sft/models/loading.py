@@ -123,6 +123,19 @@ def auto_model_class(model_config: PretrainedConfig) -> type[AutoModelForCausalL
     return AutoModelForSeq2SeqLM if model_config.is_encoder_decoder else AutoModelForCausalLM
 
 
+def check_loadable(model_config: PretrainedConfig) -> None:
+    """Refuse, before any data is read, a model auto_model_class has no class for: image-text models such as
+    Qwen2.5-VL or LLaVA load as AutoModelForImageTextToText, and `sft train` failed only after tokenizing. Remote-code
+    models (auto_map) bring their own class."""
+    auto = auto_model_class(model_config)
+    if type(model_config) in auto._model_mapping or getattr(model_config, "auto_map", None):
+        return
+    raise SFTError(f"sft cannot train {model_config.model_type} models: transformers has no {auto.__name__} class "
+                   "for them (image-text models such as Qwen2.5-VL or LLaVA load as AutoModelForImageTextToText, "
+                   "which sft does not train). Choose a text model, or a multimodal one with a causal-LM class "
+                   "(Gemma-3).")
+
+
 def check_attention(config: SFTConfig, training: bool) -> None:
     """Refuse an attn_implementation this run cannot use (attention_problem), before data or weights load."""
     if not config.attn_implementation:

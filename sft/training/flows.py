@@ -27,7 +27,7 @@ from sft.evaluation.metrics import check_best_metric, eval_keys, resolve_metrics
 from sft.evaluation.predict import read_generation_config
 from sft.models.adapters import check_adapter_training
 from sft.models.families import check_packing_supported, flattened_batches
-from sft.models.loading import check_attention, load_model, load_model_config
+from sft.models.loading import check_attention, check_loadable, load_model, load_model_config
 from sft.models.quantization import check_quantized_training
 from sft.training.checkpoints import check_same_batch, is_resumable
 from sft.training.presets import (
@@ -158,7 +158,10 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     if config.metric_for_best_model is not None:  # eval_keys calls a user metric function once to learn its keys
         reported = eval_keys(config.metrics, config.predict_with_generate)
         check_best_metric(config.metric_for_best_model, reported, config.predict_with_generate)
-    config = with_model_limits(config, fitted_max_length(config))
+    model_config = load_model_config(config) if config.model_name_or_path is not None else None
+    if model_config is not None:
+        check_loadable(model_config)
+    config = with_model_limits(config, fitted_max_length(config, model_config))
     out = Path(config.output_dir)
     rundir.check_output_dir(out)
     check_resume(out, resume, config)
@@ -318,7 +321,10 @@ def evaluate(config: SFTConfig) -> dict[str, float]:
     check_eval_output(out, config.overwrite_output_dir, config.model_name_or_path)
     check_generation_settings(config)
     check_attention(config, training=False)
-    config = with_model_limits(config, fitted_max_length(config))
+    model_config = load_model_config(config) if config.model_name_or_path is not None else None
+    if model_config is not None:
+        check_loadable(model_config)
+    config = with_model_limits(config, fitted_max_length(config, model_config))
     tokenizer = load_tokenizer(config)
     with config.main_process_first(desc="tokenizing"):
         _, eval_data = prepare_splits(config, tokenizer)
