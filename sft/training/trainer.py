@@ -30,7 +30,7 @@ from sft.data.encode import IGNORE_INDEX
 from sft.evaluation.predict import GenerationEval
 from sft.models.compilation import compile_blocks, repeated_blocks, set_activation_memory_budget
 from sft.models.families import flattened_batches
-from sft.training import checkpoints
+from sft.training import checkpoints, sampling
 from sft.training.checkpoints import BATCH_KEY, LOSS_KEY, CheckpointStaging, batch_shape
 from sft.training.divergence import DivergenceGuard
 from sft.training.loss import EvalTokenSums, TokenLoss
@@ -68,7 +68,7 @@ def compiles_blocks(model: nn.Module | None, args: Any) -> bool:
     return bool(args.torch_compile and model is not None and not sharded and repeated_blocks(model))
 
 
-class SFTMixin:
+class SFTMixin(sampling.EpochSeededSampling):
     """The SFT layer shared by SFTTrainer and Seq2SeqSFTTrainer: the Trainer's hooks, each delegating to the object
     of one concern, built once per trainer."""
 
