@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 
-from conftest import write_json
+from conftest import EMBEDDED_MODEL, REPO, write_json
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 12
@@ -104,6 +105,41 @@ def torchrun_probe(recipe: Path, out: Path, extra: list[str]) -> list[str]:
     probe = Path(__file__).parent / "batch_probe.py"
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(probe),
             "train", str(recipe), "--output_dir", str(out), *extra]
+
+
+@pytest.mark.multiprocess
+def test_two_process_bf16_accumulated_packed_lora_run_resumes_exactly(tmp_path):
+    """The run users launch: torchrun over gloo, bf16 autocast on CPU, gradient accumulation, packing, LoRA dropout
+    (an RNG state per rank), evaluation each step, the best model loaded at the end and 2 checkpoints kept. Killed
+    (every process) right after checkpoint-4 and resumed: each rank trains the rows the uninterrupted run trained
+    after step 4, the logs (losses, gradient norms, eval losses) and the last checkpoint are bitwise equal, and
+    checkpoint-1 (the best: greater_is_better on eval_loss) survives the rotation and is the final model."""
+    if not (EMBEDDED_MODEL / "model.safetensors").exists():
+        pytest.skip(f"the embedded model {EMBEDDED_MODEL} is missing (scripts/make_tiny_model.py builds it)")
+    rows = json.loads((REPO / "data" / "alpaca_sample.json").read_text())
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model_name_or_path": str(EMBEDDED_MODEL), "dataset": str(write_json(tmp_path / "train.json", rows[:48])),
+        "eval_dataset": str(write_json(tmp_path / "eval.json", rows[48:56])), "bf16": True, "use_cpu": True,
+        "gradient_accumulation_steps": 2, "packing": True, "max_length": 128, "per_device_train_batch_size": 2,
+        "use_peft": True, "lora_r": 4, "lora_dropout": 0.1, "max_steps": 6, "learning_rate": 1.0e-3,
+        "eval_strategy": "steps", "eval_steps": 1, "save_strategy": "steps", "save_steps": 1, "save_total_limit": 2,
+        "load_best_model_at_end": True, "metric_for_best_model": "eval_loss", "greater_is_better": True,
+        "logging_steps": 1, "report_to": "none", "seed": 7}))
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    run_to_end(torchrun_probe(recipe, reference, []))
+    run_and_kill(torchrun_probe(recipe, resumed, []), resumed, 4)
+    run_to_end(torchrun_probe(recipe, resumed, ["--resume_from_checkpoint", "true"]))
+    for rank in (0, 1):
+        trained = [json.loads((out / f"batches-rank{rank}.json").read_text())["batches"] for out in (reference, resumed)]
+        assert len(trained[0]) == 12 and trained[1] == trained[0][8:]  # 2 micro-batches a step, steps 5 and 6
+    logs = [json.loads((out / "trainer_state.json").read_text())["log_history"] for out in (reference, resumed)]
+    assert [[e.get(k) for k in ("step", "loss", "grad_norm", "eval_loss")] for e in logs[1]] == [
+        [e.get(k) for k in ("step", "loss", "grad_norm", "eval_loss")] for e in logs[0]]
+    assert sorted(p.name for p in resumed.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-6"]
+    for name, tensor in weights(reference / "checkpoint-6").items():
+        assert tensor.equal(weights(resumed / "checkpoint-6")[name]), name
+    assert all(t.equal(weights(resumed)[k]) for k, t in weights(resumed / "checkpoint-1").items())
 
 
 @pytest.mark.multiprocess
