@@ -203,6 +203,35 @@ def test_a_resume_at_other_rows_per_step_is_refused(checkpoint_of_4_rows, tmp_pa
     assert fix in str(error.value)
 
 
+def test_a_group_by_length_resume_on_another_process_count_is_refused(tmp_path):
+    """The same rows per step on one process as on two, but group_by_length orders rows in groups of 50 x each
+    process's rows per step: a run started on 2 processes and resumed on 1 trained other rows."""
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    shape = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2, "processes": 2}
+    (folder / "trainer_state.json").write_text(json.dumps({"stateful_callbacks": {BATCH_KEY: shape}}))
+    config = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                       train_sampling_strategy="group_by_length")
+    with pytest.raises(SFTError) as error:
+        check_same_batch(folder, config)
+    assert str(error.value) == (
+        f"resume_from_checkpoint: {folder} was trained with train_sampling_strategy group_by_length on "
+        "per_device_train_batch_size 2 x gradient_accumulation_steps 2 x processes 2, and this run takes "
+        "per_device_train_batch_size 2 x gradient_accumulation_steps 4 x processes 1. group_by_length orders rows in "
+        "groups of 50 x per_device_train_batch_size x gradient_accumulation_steps, so the resumed run would train "
+        "other rows than the run it continues. Resume with the checkpoint's per_device_train_batch_size, "
+        f"gradient_accumulation_steps and process count, or start a new run from its weights with "
+        f"--model_name_or_path {folder}.")
+    check_same_batch(folder, SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                       gradient_accumulation_steps=4))  # random order: the same rows each step
+
+
+def test_a_group_by_length_resume_at_the_same_rows_per_process_goes_ahead(checkpoint_of_4_rows, tmp_path):
+    check_same_batch(checkpoint_of_4_rows, SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                                     gradient_accumulation_steps=2,
+                                                     train_sampling_strategy="group_by_length"))
+
+
 def test_sft_train_refuses_a_resume_at_other_rows_per_step_before_loading(checkpoint_of_4_rows, tmp_path,
                                                                           tiny_model_dir, capsys):
     err = resume_error(tmp_path, tiny_model_dir, capsys, checkpoint_of_4_rows, tmp_path / "new")
