@@ -37,7 +37,8 @@ class EpochSeededSampling:
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         sampler = super()._get_train_sampler(train_dataset)
         if type(sampler) is LengthGroupedSampler and sampler.generator is None:
-            sampler = EpochSeededLengthGroupedSampler(sampler, self.args.seed)
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed  # as the Trainer's
+            sampler = EpochSeededLengthGroupedSampler(sampler, seed)
         self.epoch_seeded_sampler = sampler if isinstance(sampler, EpochSeededLengthGroupedSampler) else None
         return sampler
 
