@@ -60,6 +60,11 @@ def check_same_batch(folder: Path, args: TrainingArguments) -> None:
     saved = {name: saved[name] for name in now}  # trainer_state.json sorts its keys
     if math.prod(saved.values()) == math.prod(now.values()):
         _check_same_grouping(folder, saved, now, args)
+        if saved["processes"] != now["processes"]:  # transformers says so at info level only
+            log.warning("Resuming %s on %d processes; it was trained on %d. The rows per step are the same, but each "
+                        "process's random state (dropout, NEFTune noise) cannot be restored on another process "
+                        "count, so the run will not equal the uninterrupted one exactly.", folder, now["processes"],
+                        saved["processes"])
         return
     rows, per_step = math.prod(saved.values()), now["per_device_train_batch_size"] * now["processes"]
     fix = (f"--gradient_accumulation_steps {rows // per_step}" if rows % per_step == 0
