@@ -3,8 +3,9 @@
 A folder is an sft run when it holds the manifest. An entry is sft's when the manifest lists it with the size and
 content hash sft left it with (a file a user edited afterwards, e.g. the model card README.md, is the user's
 again). A training run records each checkpoint folder as it moves it into place; the staging folder of a save a kill
-interrupted and the Trainer's TensorBoard logs (runs/) are its own unlisted. Everything else is foreign: sft refuses
-to write into a folder holding foreign entries and never deletes them.
+interrupted and the Trainer's TensorBoard logs (runs/) are its own unlisted, and so is what a kill between writing
+and renaming a staged file (write_staged) left. Everything else is foreign: sft refuses to write into a folder holding
+foreign entries and never deletes them.
 """
 
 import hashlib
@@ -32,6 +33,10 @@ RECIPE = "recipe.yaml"
 DATA_STATS = "data_stats.json"  # a run's data statistics; its `formats` say which prompt the model learnt
 # `writable`'s probe: every rank of a launch checks output_dir, so another rank's probe can be there for a moment.
 WRITE_PROBE = ".sft-write-test-"
+STAGING = ".tmp"  # write_staged writes NAME.tmp whole, then renames it to NAME
+PREDICTIONS = "predictions.jsonl"  # generation predictions, staged; PREFIX_predictions.jsonl for other than eval
+# What a kill between writing and renaming a staged file leaves: sft's, not every *.tmp (a user's notes.tmp is theirs).
+STAGED = re.compile(rf"({re.escape(MANIFEST)}|(\w+_)?{re.escape(PREDICTIONS)}){re.escape(STAGING)}")
 
 
 def _stamp(path: Path) -> list | None:
@@ -62,9 +67,9 @@ def foreign_entries(out: Path) -> list[str]:
         return []
     owned = read_manifest(out)
     if owned is None:
-        return sorted(p.name for p in entries(out))
+        return sorted(p.name for p in entries(out) if not STAGED.fullmatch(p.name))
     trained = RECIPE in owned  # runs/ beside an eval's or merge's files is the user's (their own Trainer's)
-    return sorted(p.name for p in entries(out) if p.name != MANIFEST and not (
+    return sorted(p.name for p in entries(out) if p.name != MANIFEST and not STAGED.fullmatch(p.name) and not (
         (p.name in owned and owned[p.name] == _stamp(p)) or (trained and p.is_dir() and UNLISTED.match(p.name))))
 
 
@@ -118,12 +123,18 @@ def claim(out: Path, names: list[str] | None = None, folders: tuple[str, ...] = 
     between the rename and the record cannot leave it foreign."""
     recorded = read_manifest(out) or {}
     for name in names if names is not None else [p.name for p in entries(out)]:
-        if name != MANIFEST and (out / name).exists():
+        if name != MANIFEST and not STAGED.fullmatch(name) and (out / name).exists():
             recorded[name] = _stamp(out / name)
     recorded.update(dict.fromkeys(folders))
-    staging = out / (MANIFEST + ".tmp")
-    staging.write_text(json.dumps({"written_by": "sft", "entries": recorded}, indent=1) + "\n", encoding="utf-8")
-    staging.replace(out / MANIFEST)  # a crash never leaves a half-written manifest
+    write_staged(out / MANIFEST, json.dumps({"written_by": "sft", "entries": recorded}, indent=1) + "\n")
+
+
+def write_staged(path: Path, text: str) -> None:
+    """Write `path` whole under a staging name, then rename it into place: a kill never leaves it half-written (and
+    what it leaves under the staging name is sft's, STAGED)."""
+    staging = path.with_name(path.name + STAGING)
+    staging.write_text(text, encoding="utf-8")
+    staging.replace(path)
 
 
 def clear_run(out: Path) -> list[str]:
@@ -144,3 +155,4 @@ def run_file(folder: Path, name: str) -> Path | None:
     folder = Path(folder)
     run = folder.parent if re.fullmatch(r"checkpoint-\d+", folder.name) else folder
     return next((candidate / name for candidate in (folder, run) if (candidate / name).is_file()), None)
+

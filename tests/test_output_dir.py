@@ -182,3 +182,27 @@ def test_a_run_killed_after_saving_its_model_owns_it(tmp_path, monkeypatch):
     assert rundir.foreign_entries(out) == ["notes.md"]
     (out / "notes.md").unlink()
     assert run("train", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 0
+
+
+def test_what_a_kill_mid_staged_write_leaves_is_sfts_a_users_tmp_file_is_not(tmp_path, capsys):
+    """sft writes sft_run.json and predictions.jsonl as NAME.tmp, then renames them: a kill in between left NAME.tmp,
+    taken for a user's file, and the rerun was refused ("holds files sft did not write ...: sft_run.json.tmp")."""
+    new, out = tmp_path / "new", tmp_path / "run"
+    new.mkdir()
+    (new / "sft_run.json.tmp").write_text('{"written_by": "sf')  # killed in the first record of a new run
+    assert rundir.foreign_entries(new) == []
+    assert run("train", recipe(tmp_path, out)) == 0
+    leftovers = ["sft_run.json.tmp", "predictions.jsonl.tmp", "test_predictions.jsonl.tmp"]
+    for name in leftovers:
+        (out / name).write_text("{}\n")
+    assert rundir.foreign_entries(out) == []
+    rundir.claim(out)
+    assert not set(leftovers) & set(rundir.read_manifest(out))  # never recorded as finished files
+    (out / "notes.tmp").write_text("mine\n")  # control: a user's own .tmp file is theirs
+    assert rundir.foreign_entries(out) == ["notes.tmp"]
+    assert run("train", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 2
+    assert "notes.tmp" in capsys.readouterr().err
+    (out / "notes.tmp").unlink()
+    assert run("train", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 0
+    assert not any((out / name).exists() for name in leftovers) and rundir.foreign_entries(out) == []
+

@@ -229,9 +229,7 @@ def full_parameters(model: nn.Module) -> contextlib.AbstractContextManager:
 def write_predictions(records: list[dict[str, str]], path: Path) -> None:
     """predictions.jsonl: one {prompt, reference, prediction} object per line, written whole then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(path.name + ".tmp")
-    staging.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    staging.replace(path)
+    rundir.write_staged(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 class GenerationEval:
@@ -288,7 +286,7 @@ class GenerationEval:
     def metrics(self, prefix: str, main_process: bool) -> dict[str, float]:
         """Metrics of the collected predictions (prefixed); predictions.jsonl written by the main process."""
         if main_process:
-            name = "predictions.jsonl" if prefix == "eval" else f"{prefix}_predictions.jsonl"
+            name = rundir.PREDICTIONS if prefix == "eval" else f"{prefix}_{rundir.PREDICTIONS}"
             out = Path(self.args.output_dir)
             write_predictions(self.predictions, out / name)
             if rundir.is_run(out):  # written at every evaluation during training: sft's even if the run is killed

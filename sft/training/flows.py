@@ -41,7 +41,7 @@ from sft.training.report import plot_loss, write_model_card
 from sft.training.trainer import SFTMixin, trainer_class
 
 log = logging.getLogger(__name__)
-EVAL_FILES = ("eval_results.json", "predictions.jsonl")  # what `sft eval` writes
+EVAL_FILES = ("eval_results.json", rundir.PREDICTIONS)  # what `sft eval` writes
 
 
 def train(config: SFTConfig) -> Path:
