@@ -6,17 +6,26 @@ again). A training run records each checkpoint folder as it moves it into place;
 interrupted and the Trainer's TensorBoard logs (runs/) are its own unlisted, and so is what a kill between writing
 and renaming a staged file (write_staged) left. Everything else is foreign: sft refuses to write into a folder holding
 foreign entries and never deletes them.
+
+The process that writes a training run's files holds a lock in its folder (hold) for the whole run, so a second run
+into the same folder is refused while the first still writes there.
 """
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
+from typing import TextIO
 
 from sft.errors import SFTError
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "sft_run.json"
 # The Trainer's checkpoint folders, sft's staging ones and TensorBoard logs: sft's in a marked folder even when a
@@ -33,10 +42,13 @@ RECIPE = "recipe.yaml"
 DATA_STATS = "data_stats.json"  # a run's data statistics; its `formats` say which prompt the model learnt
 # `writable`'s probe: every rank of a launch checks output_dir, so another rank's probe can be there for a moment.
 WRITE_PROBE = ".sft-write-test-"
+# Held (flock) by the process writing a run's files: never foreign, recorded or removed by another run's overwrite.
+LOCK = ".sft_run.lock"
 STAGING = ".tmp"  # write_staged writes NAME.tmp whole, then renames it to NAME
 PREDICTIONS = "predictions.jsonl"  # generation predictions, staged; PREFIX_predictions.jsonl for other than eval
 # What a kill between writing and renaming a staged file leaves: sft's, not every *.tmp (a user's notes.tmp is theirs).
 STAGED = re.compile(rf"({re.escape(MANIFEST)}|(\w+_)?{re.escape(PREDICTIONS)}){re.escape(STAGING)}")
+_held: dict[Path, tuple[TextIO, bool]] = {}  # the run folders this process locked: their lock file, created or not
 
 
 def _stamp(path: Path) -> list | None:
@@ -57,8 +69,9 @@ def read_manifest(out: Path) -> dict[str, list[int] | None] | None:
 
 
 def entries(folder: Path) -> list[Path]:
-    """What `folder` holds, less another process's writability probe (never the user's, never sft's to record)."""
-    return [p for p in folder.iterdir() if not p.name.startswith(WRITE_PROBE)]
+    """What `folder` holds, less another process's writability probe and a run's lock (never the user's, never sft's to
+    record)."""
+    return [p for p in folder.iterdir() if not p.name.startswith(WRITE_PROBE) and p.name != LOCK]
 
 
 def foreign_entries(out: Path) -> list[str]:
@@ -156,3 +169,79 @@ def run_file(folder: Path, name: str) -> Path | None:
     run = folder.parent if re.fullmatch(r"checkpoint-\d+", folder.name) else folder
     return next((candidate / name for candidate in (folder, run) if (candidate / name).is_file()), None)
 
+
+def hold(out: Path, key: str = "output_dir") -> None:
+    """Lock `out` (created if new) for this process until release(out); refuse it while another sft run holds it (a
+    second job with the same output_dir; a killed launcher's workers, which live on in their own sessions). The OS
+    drops the lock when its process dies, so a killed run never blocks its own resume."""
+    folder = out.resolve()
+    if folder in _held:
+        return
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        handle = _lock(folder / LOCK)
+    except BlockingIOError:
+        raise _busy(out, key) from None
+    except OSError as err:  # a file system without locks (some NFS mounts): the run goes on unprotected, as before
+        log.warning("%s %s cannot be locked against another sft run writing there at once (%s).", key, out, err)
+        return
+    handle.truncate(0)
+    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
+    handle.flush()
+    _held[folder] = handle, created
+
+
+def _lock(path: Path) -> TextIO:
+    """The file at `path` (created if new), opened and locked by this process; BlockingIOError while another holds
+    it. The file must still be the one at `path` once locked: a holder removes it on release, maybe after this opened
+    it, and another run may have locked the new one since."""
+    while True:
+        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open until release)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                return handle
+        except FileNotFoundError:
+            pass
+        except OSError:
+            handle.close()
+            raise
+        handle.close()
+
+
+def release(out: Path) -> None:
+    """Drop this process's lock on `out` (hold), and the folder when hold created it and nothing was written."""
+    folder = out.resolve()
+    if folder not in _held:
+        return
+    handle, created = _held.pop(folder)
+    (folder / LOCK).unlink(missing_ok=True)  # while still held: no other run can have locked this file
+    handle.close()
+    if created and not any(folder.iterdir()):
+        folder.rmdir()  # a run refused before it wrote anything leaves no folder behind
+
+
+def check_not_held(out: Path, key: str = "output_dir") -> None:
+    """Refuse to write into `out` while another process's sft run holds it (`sft eval` or `sft merge` there)."""
+    folder = out.resolve()
+    if folder in _held or not (folder / LOCK).is_file():
+        return
+    try:
+        with open(folder / LOCK, encoding="utf-8") as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _busy(out, key) from None
+    except OSError:  # gone since (its run ended), or unreadable: nothing to refuse for
+        return
+
+
+def _busy(out: Path, key: str) -> SFTError:
+    """The refusal of a folder another sft run holds, naming that run's process."""
+    try:
+        holder = json.loads((out / LOCK).read_text(encoding="utf-8"))
+        who = f" (pid {holder['pid']} on {holder['host']})"
+    except (OSError, ValueError, KeyError, TypeError):  # not written yet: the holder has only just locked it
+        who = ""
+    return SFTError(f"{key} {out} is being written by another sft run{who}, still running. Wait for it to end or stop "
+                    f"it (a launcher killed alone leaves its workers running), or choose another {key}.")

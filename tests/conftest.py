@@ -1,5 +1,6 @@
 """Shared test fixtures: an in-process tokenizer, tiny models from configs, data files, paths."""
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -93,6 +94,15 @@ def write_json(path: Path, rows: list, jsonl: bool = False) -> Path:
     text = "\n".join(json.dumps(r) for r in rows) if jsonl else json.dumps(rows)
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs (Linux /proc)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            children += [int(child) for child in (task / "children").read_text().split()]
+    return [pid for child in children for pid in (child, *descendants(child))]
 
 
 def snapshot(folder: Path) -> dict[str, bytes] | None:

@@ -1,17 +1,26 @@
 """sft only replaces what sft wrote: user files in output_dir survive train (with and without
 --overwrite_output_dir) and eval; an earlier sft run is replaced only when asked, and only its own files."""
 
+import contextlib
+import errno
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import transformers
+from transformers.trainer_utils import get_last_checkpoint
 
 from sft import rundir
 from sft.cli.main import main
 
-from conftest import EMBEDDED_MODEL, REPO, snapshot
+from conftest import EMBEDDED_MODEL, REPO, descendants, snapshot
 
 DATA = REPO / "data" / "alpaca_sample.json"
 
@@ -206,3 +215,92 @@ def test_what_a_kill_mid_staged_write_leaves_is_sfts_a_users_tmp_file_is_not(tmp
     assert run("train", recipe(tmp_path, out), "--overwrite_output_dir", "true") == 0
     assert not any((out / name).exists() for name in leftovers) and rundir.foreign_entries(out) == []
 
+
+SAVING = ["--save_strategy", "steps", "--save_steps", "1", "--save_total_limit", "1"]
+
+
+def start_training(command: list[str], out: Path) -> subprocess.Popen:
+    """Start a run that trains (and saves every step) until killed; returns once its first checkpoint exists."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # this checkout's sft first
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while get_last_checkpoint(str(out)) is None if out.is_dir() else True:
+        if proc.poll() is not None or time.time() > deadline:
+            kill_job(proc)
+            pytest.fail(f"the first run never saved a checkpoint: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.1)
+    return proc
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the run and every process it started, and wait until they are gone."""
+    job = [*descendants(proc.pid), proc.pid]
+    for pid in job:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in job) and time.time() < deadline:  # until init reaps them
+        time.sleep(0.05)
+
+
+@pytest.mark.multiprocess
+def test_a_second_run_into_a_live_runs_folder_is_refused_its_resume_goes_ahead_once_it_is_killed(tmp_path, capsys):
+    """Nothing stopped two runs writing one output_dir: a resume started while the run still trained (its launcher
+    killed, its process living on) loaded the checkpoint and wrote its model into the live run's folder (exit 0)."""
+    out = tmp_path / "run"
+    path = recipe(tmp_path, out)
+    proc = start_training([sys.executable, "-m", "sft", "train", path, *SAVING, "--max_steps", "100000"], out)
+    try:
+        checkpoint = get_last_checkpoint(str(out))
+        for argv in (["train", path, *SAVING, "--resume_from_checkpoint", "true"],
+                     ["eval", path, "--model_name_or_path", checkpoint]):
+            assert run(*argv) == 2
+            err = capsys.readouterr().err
+            assert f"output_dir {out} is being written by another sft run (pid {proc.pid} on " \
+                   f"{socket.gethostname()}), still running." in err and "Traceback" not in err
+        assert proc.poll() is None  # the live run goes on
+    finally:
+        kill_job(proc)
+    step = int(Path(get_last_checkpoint(str(out))).name.split("-")[1])  # the killed run's lock went with it
+    assert run("train", path, *SAVING, "--max_steps", str(step + 1), "--resume_from_checkpoint", "true") == 0
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == step + 1
+    assert not (out / rundir.LOCK).exists() and rundir.foreign_entries(out) == []
+
+
+@pytest.mark.multiprocess
+def test_a_two_process_run_is_locked_by_its_main_process_alone(tmp_path, capsys):
+    """Under torchrun the process that writes the run (rank 0) holds the lock: rank 1 trains beside it, and a second
+    run is refused naming rank 0's process."""
+    out = tmp_path / "run"
+    path = recipe(tmp_path, out)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "sft",
+               "train", path, *SAVING, "--max_steps", "100000"]
+    proc = start_training(command, out)
+    try:
+        workers = descendants(proc.pid)
+        same_batch = ["--gradient_accumulation_steps", "2"]  # one process resuming two's rows per step
+        assert run("train", path, *SAVING, *same_batch, "--resume_from_checkpoint", "true") == 2
+        err = capsys.readouterr().err
+        assert "is being written by another sft run (pid " in err, err
+        holder = int(err.split("(pid ")[1].split()[0])
+        assert holder in workers and holder == json.loads((out / rundir.LOCK).read_text())["pid"]
+        assert proc.poll() is None and all(Path(f"/proc/{pid}").exists() for pid in workers)  # both ranks train on
+    finally:
+        kill_job(proc)
+    rundir.hold(out)  # free again once the job is gone
+    rundir.release(out)
+    assert not (out / rundir.LOCK).exists()
+
+
+def test_a_file_system_without_locks_trains_unprotected_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Some NFS mounts refuse flock (ENOLCK): the run must go on as before the lock, not end in a traceback."""
+    def unsupported(path):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(rundir, "_lock", unsupported)  # not fcntl.flock itself: the datasets cache locks with it
+    out = tmp_path / "run"
+    assert run("train", recipe(tmp_path, out)) == 0
+    assert "cannot be locked against another sft run writing there at once" in caplog.text
+    assert rundir.foreign_entries(out) == [] and (out / "model.safetensors").exists()

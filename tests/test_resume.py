@@ -14,7 +14,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from conftest import EMBEDDED_MODEL, REPO, write_json
+from conftest import EMBEDDED_MODEL, REPO, descendants, write_json
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 12
@@ -48,15 +48,6 @@ def run_and_kill(command: list[str], out: Path, kill_after: int) -> None:
     proc.wait()
     while any(Path(f"/proc/{pid}").exists() for pid in job) and time.time() < deadline:  # until init reaps them
         time.sleep(0.05)
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes `pid` started, and theirs (Linux /proc)."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            children += [int(child) for child in (task / "children").read_text().split()]
-    return [pid for child in children for pid in (child, *descendants(child))]
 
 
 def weights(out: Path) -> dict:

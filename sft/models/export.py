@@ -82,12 +82,13 @@ def check_output(out: Path, adapter: Path, overwrite: bool) -> None:
     if out.resolve() == adapter.resolve() or out.resolve() in adapter.resolve().parents:
         raise SFTError(f"OUTPUT_DIR {out} contains the adapter {adapter}; choose another folder.")
     check_outside_runs(out)
+    rundir.check_not_held(out, "OUTPUT_DIR")
     rundir.check_output_dir(out, "OUTPUT_DIR")
     run_files = training_run_entries(out)
     if run_files:  # --overwrite would delete the run: its adapter, checkpoints and recipe
         raise SFTError(f"OUTPUT_DIR {out} holds an sft training run ({rundir.describe(run_files)}), not an earlier "
                        "merge; sft merge never replaces a run. Choose another folder.")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if out.is_dir() and any(rundir.entries(out)) and not overwrite:
         raise SFTError(f"OUTPUT_DIR {out} already holds a model sft wrote. Choose an empty folder or pass --overwrite "
                        "to replace it.")
 
@@ -112,6 +113,6 @@ def training_run_entries(out: Path) -> list[str]:
 
 def empty_output(out: Path) -> None:
     """Create `out` empty; what an allowed overwrite replaces (sft's files only) goes once the merged model is ready."""
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and any(rundir.entries(out)):
         log.warning("--overwrite: removing the earlier %s from %s", rundir.describe(rundir.clear_run(out)), out)
     out.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,14 @@ def train(config: SFTConfig) -> Path:
     Args:
         config: the validated recipe (see load_recipe).
     """
+    try:
+        return run_training(config)
+    finally:  # the output_dir lock its main process took (check_before_loading), however the run ends
+        rundir.release(Path(config.output_dir))
+
+
+def run_training(config: SFTConfig) -> Path:
+    """train(), with output_dir locked (check_before_loading) by the process that writes it."""
     resume = resume_setting(config.resume_from_checkpoint)
     config = check_before_loading(config, resume)
     tokenizer = load_tokenizer(config)
@@ -163,6 +171,9 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
         check_loadable(model_config)
     config = with_model_limits(config, fitted_max_length(config, model_config))
     out = Path(config.output_dir)
+    rundir.check_writable(out)
+    if config.should_save:  # the process that writes the run's files; the other ranks must not lock it against it
+        rundir.hold(out)  # before looking at its files: a live run's are refused as that, not as a user's
     rundir.check_output_dir(out)
     check_resume(out, resume, config)
     if rundir.is_run(out) and not resume and not config.overwrite_output_dir:
@@ -363,6 +374,7 @@ def check_eval_output(out: Path, overwrite: bool, model: str | None) -> None:
     run's folder it writes only the results of that run's model (or one of its checkpoints): a recipe's base model
     evaluated there would pass for the trained run's results, or replace them."""
     rundir.check_writable(out)
+    rundir.check_not_held(out)  # a live training run's folder (eval of its checkpoint, written beside it)
     evaluated = Path(model).expanduser().resolve() if model else None
     if rundir.is_run(out) and not (evaluated and (evaluated == out.resolve() or out.resolve() in evaluated.parents)):
         raise SFTError(f"output_dir {out} holds an sft run, and sft eval would write the results of {model} there, "
