@@ -13,6 +13,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from accelerate import Accelerator
 from safetensors import safe_open
@@ -23,11 +24,13 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from sft import rundir
 from sft.errors import SFTError
+from sft.training.data_order import ORDER_KEY, data_order
 
 log = logging.getLogger(__name__)
 STAGING_PREFIX = ".staging-"
 BATCH_KEY = "sft_batch"  # in TrainerState.stateful_callbacks, which every checkpoint saves (see batch_shape)
 LOSS_KEY = "sft_loss_sum"  # there too: the sum of every step's loss so far, for a resumed run's train_loss
+RESUME_KEYS = (BATCH_KEY, ORDER_KEY)  # there too: what a resume must match (resume_facts), checked before it loads
 
 
 def is_resumable(folder: Path) -> bool:
@@ -45,6 +48,11 @@ def batch_shape(args: TrainingArguments) -> dict[str, int]:
     """What one optimizer step takes: micro-batches (per process), accumulated, on every process."""
     return {"per_device_train_batch_size": args.train_batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps, "processes": args.world_size}
+
+
+def resume_facts(args: TrainingArguments, dataset: Any) -> dict[str, dict]:
+    """What a checkpoint records for a resume to match: the rows per optimizer step and the data order."""
+    return {BATCH_KEY: batch_shape(args), ORDER_KEY: data_order(args, dataset)}
 
 
 def check_same_batch(folder: Path, args: TrainingArguments) -> None:

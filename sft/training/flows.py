@@ -30,6 +30,7 @@ from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.loading import check_attention, check_loadable, load_model, load_model_config
 from sft.models.quantization import check_quantized_training
 from sft.training.checkpoints import check_same_batch, is_resumable
+from sft.training.data_order import check_same_data, check_same_settings
 from sft.training.presets import (
     check_launcher,
     evaluation_config,
@@ -67,6 +68,7 @@ def run_training(config: SFTConfig) -> Path:
     hint_unproven_template([s.format for s in train_data.sources], tokenizer)
     stats = training_stats(train_data, config)  # what `sft data` reports (packing stats are added below)
     train_set, eval_set = apply_packing(config, train_data.dataset, eval_data.dataset if eval_data else None, stats)
+    check_resumed_data(config, resume, train_set)
     log.info("\n%s", stats.table("Training data"))
     warn_eval_rows(eval_data, config.max_length)
     transformers.set_seed(config.seed)  # new embedding rows are sampled: make them reproducible
@@ -221,7 +223,7 @@ def check_optimizer(config: SFTConfig) -> None:
 
 def check_resume(out: Path, resume: str | bool | None, config: SFTConfig) -> None:
     """The checkpoint a resume asks for exists and resumes exactly: a given path, or (true) the newest checkpoint-N
-    folder in output_dir, trained at this run's rows per optimizer step."""
+    folder in output_dir, trained at this run's rows per optimizer step and settings of the data order."""
     if isinstance(resume, str) and not Path(resume).expanduser().is_dir():
         raise SFTError(f"resume_from_checkpoint: {resume} does not exist. Give a checkpoint-N folder of a run, or "
                        "true for the newest checkpoint in output_dir.")
@@ -229,9 +231,22 @@ def check_resume(out: Path, resume: str | bool | None, config: SFTConfig) -> Non
         raise SFTError(f"resume_from_checkpoint is true but output_dir {out} holds no checkpoint-N folder. Train "
                        "without --resume_from_checkpoint, or point it at a checkpoint folder.")
     if resume:
-        folder = Path(get_last_checkpoint(str(out)) if resume is True else resume).expanduser()
+        folder = resumed_checkpoint(out, resume)
         check_checkpoint(folder, out)
         check_same_batch(folder, config)
+        check_same_settings(folder, config)
+
+
+def resumed_checkpoint(out: Path, resume: str | bool) -> Path:
+    """The checkpoint a resume continues: the given folder, or (true) the newest checkpoint-N in output_dir."""
+    return Path(get_last_checkpoint(str(out)) if resume is True else resume).expanduser()
+
+
+def check_resumed_data(config: SFTConfig, resume: str | bool | None, train_set: datasets.Dataset) -> None:
+    """A resume's training data as built (tokenized, weighted, packed) has the checkpoint's rows; check_resume
+    compared the settings before tokenizing."""
+    if resume:
+        check_same_data(resumed_checkpoint(Path(config.output_dir), resume), train_set)
 
 
 def check_checkpoint(folder: Path, out: Path) -> None:

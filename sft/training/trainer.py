@@ -31,7 +31,7 @@ from sft.evaluation.predict import GenerationEval
 from sft.models.compilation import compile_blocks, repeated_blocks, set_activation_memory_budget
 from sft.models.families import flattened_batches
 from sft.training import checkpoints, sampling
-from sft.training.checkpoints import BATCH_KEY, LOSS_KEY, CheckpointStaging, batch_shape
+from sft.training.checkpoints import LOSS_KEY, RESUME_KEYS, CheckpointStaging, resume_facts
 from sft.training.divergence import DivergenceGuard
 from sft.training.loss import EvalTokenSums, TokenLoss
 from sft.training.masters import loaded_in_float32, master_weights
@@ -288,7 +288,7 @@ class SFTMixin(sampling.EpochSeededSampling):
         """Write checkpoint-N into a staging folder, then rename it into place and rotate old ones."""
         run_dir = super()._get_output_dir(trial)
         self.throughput.save_to(self.state.stateful_callbacks, self._sum_over_processes)
-        self.state.stateful_callbacks[BATCH_KEY] = batch_shape(self.args)  # what a resume must match
+        self.state.stateful_callbacks.update(resume_facts(self.args, self.train_dataset))  # what a resume must match
         # every step's loss so far (the logged windows plus the one not logged yet, averaged over processes)
         pending = nested_gather(self._tr_loss, self.args.parallel_mode).mean().item()
         total = (self.resumed_loss_sum or 0.0) + self._total_loss_scalar + pending
@@ -329,12 +329,12 @@ class SFTMixin(sampling.EpochSeededSampling):
         return grad_norm
 
     def _load_callback_state(self) -> None:
-        """On resume: the trained-token count and the loss sum go on from the checkpoint's (they and the batch shape,
-        checked before loading, are no callbacks to restore), and so does early stopping's count of evaluations
+        """On resume: the trained-token count and the loss sum go on from the checkpoint's (they and what a resume must
+        match, checked before, are no callbacks to restore), and so does early stopping's count of evaluations
         without improvement (the Trainer restores callbacks only with restore_callback_states_from_checkpoint)."""
         self.throughput.resume_from(self.state.stateful_callbacks)
-        self.state.stateful_callbacks.pop(STATE_KEY, None)
-        self.state.stateful_callbacks.pop(BATCH_KEY, None)
+        for key in (STATE_KEY, *RESUME_KEYS):
+            self.state.stateful_callbacks.pop(key, None)
         self.resumed_loss_sum = (self.state.stateful_callbacks.pop(LOSS_KEY, None) or {}).get("loss_sum")
         if self.resumed_from is not None:  # where the best checkpoint is now (best_of_resumed)
             self.state.best_model_checkpoint = checkpoints.best_of_resumed(self.resumed_from)
