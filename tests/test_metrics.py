@@ -233,6 +233,7 @@ def test_sft_train_checks_metric_for_best_model_against_a_user_function_before_l
 
 
 def test_a_user_function_reporting_metric_for_best_model_passes_the_check(tmp_path, monkeypatch):
+    from sft import rundir
     from sft.training.flows import check_before_loading
     from sft.training.recipe import load_recipe
 
@@ -242,4 +243,7 @@ def test_a_user_function_reporting_metric_for_best_model_passes_the_check(tmp_pa
     config = load_recipe("recipes/quickstart.yaml", flags=[
         "--predict_with_generate", "true", "--metrics", "best_ok:score", "--metric_for_best_model", "eval_scores",
         "--output_dir", str(tmp_path / "run")])
-    assert check_before_loading(config, None).metric_for_best_model == "eval_scores"
+    try:
+        assert check_before_loading(config, None).metric_for_best_model == "eval_scores"
+    finally:
+        rundir.release(tmp_path / "run")  # the output_dir lock train() releases when the run ends
