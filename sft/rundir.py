@@ -222,20 +222,6 @@ def release(out: Path) -> None:
         folder.rmdir()  # a run refused before it wrote anything leaves no folder behind
 
 
-def check_not_held(out: Path, key: str = "output_dir") -> None:
-    """Refuse to write into `out` while another process's sft run holds it (`sft eval` or `sft merge` there)."""
-    folder = out.resolve()
-    if folder in _held or not (folder / LOCK).is_file():
-        return
-    try:
-        with open(folder / LOCK, encoding="utf-8") as handle:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _busy(out, key) from None
-    except OSError:  # gone since (its run ended), or unreadable: nothing to refuse for
-        return
-
-
 def _busy(out: Path, key: str) -> SFTError:
     """The refusal of a folder another sft run holds, naming that run's process."""
     try:

@@ -3,6 +3,8 @@
 import contextlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,22 @@ def descendants(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             children += [int(child) for child in (task / "children").read_text().split()]
     return [pid for child in children for pid in (child, *descendants(child))]
+
+
+LOCK_PROBE = """import fcntl, sys
+try:
+    fcntl.flock(open(sys.argv[1]), fcntl.LOCK_EX | fcntl.LOCK_NB)
+except FileNotFoundError:
+    pass
+except BlockingIOError:
+    sys.exit(3)
+"""
+
+
+def locked_by_another_process(folder: Path) -> bool:
+    """Whether an sft command holds `folder`'s run lock (rundir.LOCK), as another process sees it: flock never
+    refuses a lock to the process holding it, so a check in the test's own process would always pass."""
+    return subprocess.run([sys.executable, "-c", LOCK_PROBE, str(folder / ".sft_run.lock")]).returncode == 3
 
 
 def snapshot(folder: Path) -> dict[str, bytes] | None:

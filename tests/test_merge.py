@@ -23,7 +23,7 @@ from sft.models.loading import load_model
 from sft.models.quantization import run_quantization
 from sft.models.saved import load_for_inference
 
-from conftest import make_llama, snapshot, write_json
+from conftest import locked_by_another_process, make_llama, snapshot, write_json
 
 ROWS = [{"prompt": "Add 2 and 3 <|calc|>", "completion": " 5"},
         {"prompt": "The capital of France is", "completion": " Paris."}]
@@ -200,6 +200,24 @@ def test_merge_refuses_an_output_inside_a_run_and_never_replaces_a_run(lora_run,
     assert snapshot(run) == before
     assert rundir.foreign_entries(run) == []  # a later --overwrite_output_dir of the run is not refused
     assert main(["merge", str(run), str(tmp_path / "run-merged")]) == 0  # beside the run, as the message says
+
+
+def test_merge_holds_its_output_folder_until_the_model_is_saved(lora_run, tmp_path, monkeypatch):
+    """sft merge looked for a live run in its output folder only at its start: a training run started there during
+    the (slow) load and merge was let in, and both wrote the folder. The merge now holds the lock to its end."""
+    out = tmp_path / "merged"
+    seen = []
+    claim = rundir.claim
+
+    def probed(folder, *args, **kwargs):  # the last thing a merge does: record the files it saved
+        seen.append(locked_by_another_process(out))
+        return claim(folder, *args, **kwargs)
+
+    monkeypatch.setattr(rundir, "claim", probed)
+    assert main(["merge", str(lora_run), str(out)]) == 0
+    assert seen == [True] and not locked_by_another_process(out) and not (out / rundir.LOCK).exists()
+    assert main(["merge", str(lora_run), str(tmp_path / "refused"), "--base_model", str(tmp_path / "no-base")]) == 2
+    assert not (tmp_path / "refused").exists()  # a refused merge leaves no folder behind
 
 
 @pytest.fixture(scope="module")

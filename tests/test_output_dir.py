@@ -20,7 +20,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from sft import rundir
 from sft.cli.main import main
 
-from conftest import EMBEDDED_MODEL, REPO, descendants, snapshot
+from conftest import EMBEDDED_MODEL, REPO, descendants, locked_by_another_process, snapshot
 
 DATA = REPO / "data" / "alpaca_sample.json"
 
@@ -292,6 +292,27 @@ def test_a_two_process_run_is_locked_by_its_main_process_alone(tmp_path, capsys)
     rundir.hold(out)  # free again once the job is gone
     rundir.release(out)
     assert not (out / rundir.LOCK).exists()
+
+
+def test_sft_eval_holds_its_output_dir_until_its_results_are_written(tmp_path, monkeypatch):
+    """sft eval looked for a live run only at its start: a training run (or another eval) started into the folder
+    while it evaluated was let in, and both wrote there. Its process now holds the lock until it ends."""
+    out = tmp_path / "run"
+    path = recipe(tmp_path, out)
+    assert run("train", path) == 0
+    seen = []
+    save_metrics = transformers.Trainer.save_metrics
+
+    def probed(self, *args, **kwargs):  # the last thing sft eval does: write eval_results.json
+        seen.append(locked_by_another_process(out))
+        return save_metrics(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.Trainer, "save_metrics", probed)
+    assert run("eval", path, "--model_name_or_path", str(out), "--overwrite_output_dir", "true") == 0
+    assert seen == [True]
+    assert not locked_by_another_process(out) and not (out / rundir.LOCK).exists()
+    assert run("eval", path, "--output_dir", str(tmp_path / "nothing"), "--eval_split_size", "0") == 2
+    assert not (tmp_path / "nothing").exists()  # a refused eval leaves no folder behind
 
 
 def test_a_file_system_without_locks_trains_unprotected_with_a_warning(tmp_path, monkeypatch, caplog):

@@ -37,6 +37,14 @@ def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = 
         raise SFTError(f"{adapter_dir} has no {ADAPTER_CONFIG}: sft merge takes the output_dir (or a checkpoint-N "
                        "folder) of a run trained with use_peft: true. Full fine-tunes need no merge.")
     out = Path(output_dir).expanduser()
+    try:
+        return merge_into(folder, out, dtype, overwrite, base_model)
+    finally:  # the lock check_output took on out, however the merge ends
+        rundir.release(out)
+
+
+def merge_into(folder: Path, out: Path, dtype: str, overwrite: bool, base_model: str | None) -> Path:
+    """merge_adapter() of a checked adapter folder, holding out's lock from check_output until it returns."""
     check_output(out, folder, overwrite)  # before the slow load
     tokenizer = load_saved_tokenizer(folder)
     # On the CPU: a merge needs the full-precision weights once, which host memory holds more easily than a GPU.
@@ -82,7 +90,8 @@ def check_output(out: Path, adapter: Path, overwrite: bool) -> None:
     if out.resolve() == adapter.resolve() or out.resolve() in adapter.resolve().parents:
         raise SFTError(f"OUTPUT_DIR {out} contains the adapter {adapter}; choose another folder.")
     check_outside_runs(out)
-    rundir.check_not_held(out, "OUTPUT_DIR")
+    rundir.check_writable(out, "OUTPUT_DIR")
+    rundir.hold(out, "OUTPUT_DIR")  # a training run into it (or another merge) is refused until this merge ends
     rundir.check_output_dir(out, "OUTPUT_DIR")
     run_files = training_run_entries(out)
     if run_files:  # --overwrite would delete the run: its adapter, checkpoints and recipe

@@ -287,10 +287,18 @@ def write_run_facts(config: SFTConfig, stats: DataStats, out: Path) -> None:
 def evaluate(config: SFTConfig) -> dict[str, float]:
     """Teacher-forced loss and perplexity on the recipe's eval set, plus generation metrics and predictions.jsonl
     with predict_with_generate; writes eval_results.json to output_dir, replacing an earlier one only when asked."""
+    try:
+        return run_evaluation(config)
+    finally:  # the output_dir lock its main process took (check_eval_output), however the eval ends
+        rundir.release(Path(config.output_dir))
+
+
+def run_evaluation(config: SFTConfig) -> dict[str, float]:
+    """evaluate(), with output_dir locked by the process that writes the results."""
     out = Path(config.output_dir)
     config = evaluation_config(config)
     check_launcher(config, "eval")
-    check_eval_output(out, config.overwrite_output_dir, config.model_name_or_path)
+    check_eval_output(out, config.overwrite_output_dir, config.model_name_or_path, config.should_save)
     check_generation_settings(config)
     check_attention(config, training=False)
     model_config = load_model_config(config) if config.model_name_or_path is not None else None
@@ -330,12 +338,14 @@ def untrained_quantized_base() -> Iterator[None]:
         transformers.trainer.validate_quantization_for_training = check
 
 
-def check_eval_output(out: Path, overwrite: bool, model: str | None) -> None:
+def check_eval_output(out: Path, overwrite: bool, model: str | None, writer: bool = True) -> None:
     """sft eval writes beside a run (or anywhere new); it replaces its own earlier results only with overwrite. Into a
     run's folder it writes only the results of that run's model (or one of its checkpoints): a recipe's base model
-    evaluated there would pass for the trained run's results, or replace them."""
+    evaluated there would pass for the trained run's results, or replace them. The `writer` process (the main one)
+    locks `out` until the eval ends: a training run (or resume) into it meanwhile is refused, as is another eval."""
     rundir.check_writable(out)
-    rundir.check_not_held(out)  # a live training run's folder (eval of its checkpoint, written beside it)
+    if writer:  # before looking at its files: a live run's (eval of its checkpoint, beside it) are refused as that
+        rundir.hold(out)
     evaluated = Path(model).expanduser().resolve() if model else None
     if rundir.is_run(out) and not (evaluated and (evaluated == out.resolve() or out.resolve() in evaluated.parents)):
         raise SFTError(f"output_dir {out} holds an sft run, and sft eval would write the results of {model} there, "
