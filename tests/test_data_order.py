@@ -63,6 +63,7 @@ def test_a_checkpoint_records_the_data_order(run):
     (["--data_seed", "3"], "data_seed unset -> 3", "without --data_seed"),
     (["--max_length", "96"], "max_length 128 -> 96", "--max_length 128"),
     (["--packing", "true", "--seed", "1"], "seed 7 -> 1, packing false -> true", "--seed 7 --packing false"),
+    (["--packing", "true", "--packing_strategy", "bfd_split"], "packing false -> true", "--packing false"),
     (["--train_sampling_strategy", "group_by_length"], "train_sampling_strategy random -> group_by_length",
      "--train_sampling_strategy random"),
 ])
@@ -112,6 +113,19 @@ def test_packed_rows_built_from_reordered_examples_differ(tokenizer):
     assert content_digest(packed) == content_digest(again)
     assert len(packed) == len(reordered)
     assert content_digest(packed) != content_digest(reordered)
+
+
+def test_a_packed_resume_with_another_packing_strategy_is_refused_naming_it(run, tmp_path, capsys):
+    """bfd truncates an over-long example, bfd_split cuts it into max_length rows: other rows. The change was refused
+    as 'other training data' (or not at all where no example is over-long), without naming packing_strategy."""
+    packed = ["--packing", "true", "--max_length", "64"]  # the fixture's rows are longer: bfd_split adds rows
+    assert main(["train", str(run / "recipe.yaml"), "--output_dir", str(tmp_path / "packed"), *packed]) == 0
+    folder = tmp_path / "packed" / "checkpoint-2"
+    assert resume(run, tmp_path, *packed, "--packing_strategy", "bfd_split", checkpoint=folder) == 2
+    assert error(capsys).startswith(
+        f"resume_from_checkpoint: {folder} was trained with other settings that decide which rows each step trains "
+        f"(packing_strategy bfd -> bfd_split). {WHY} Resume with --packing_strategy bfd, or start")
+    assert resume(run, tmp_path, "--packing_strategy", "bfd_split") == 0  # unpacked: the strategy decides nothing
 
 
 def test_a_resume_with_padding_free_toggled_warns_only(run, tmp_path, caplog):

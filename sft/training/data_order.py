@@ -23,7 +23,8 @@ from sft.errors import SFTError
 
 log = logging.getLogger(__name__)
 ORDER_KEY = "sft_data_order"  # in TrainerState.stateful_callbacks, beside checkpoints.BATCH_KEY
-SETTINGS = ("seed", "data_seed", "packing", "max_length", "train_sampling_strategy")  # a change is refused
+SETTINGS = ("seed", "data_seed", "packing", "packing_strategy", "max_length", "train_sampling_strategy")  # refused
+PACKING_ONLY = ("packing_strategy",)  # decides nothing without packing: recorded as None then, never compared
 # The same rows in the same order, laid out otherwise in a batch (one flattened row): warned, not refused.
 LAYOUT = ("padding_free",)
 SAMPLED_ROWS = 64  # rows whose tokens and labels the content digest reads, spread over the dataset
@@ -39,6 +40,8 @@ def data_order(args: Any, dataset: Any) -> dict[str, Any]:
 
 
 def _setting(args: Any, name: str) -> Any:
+    if name in PACKING_ONLY and not getattr(args, "packing", False):
+        return None
     value = getattr(args, name, None)  # TrainingArguments have no packing, max_length or padding_free
     return getattr(value, "value", value)  # an enum as the value a recipe gives
 
@@ -91,6 +94,8 @@ def check_same_settings(folder: Path, args: Any) -> None:
                         "laid out otherwise in each batch, so the run will not equal the uninterrupted one bit for "
                         "bit.", folder, name, _shown(now[name]), _shown(saved[name]))
     changed = [name for name in SETTINGS if name in saved and saved[name] != now[name]]
+    if "packing" in changed:  # packing itself is the change to undo; its strategy goes with it
+        changed = [name for name in changed if name not in PACKING_ONLY]
     if changed:
         changes = ", ".join(f"{name} {_shown(saved[name])} -> {_shown(now[name])}" for name in changed)
         restore = " ".join(f"--{name} {_shown(saved[name])}" if saved[name] is not None else f"without --{name}"
