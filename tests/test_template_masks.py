@@ -10,6 +10,7 @@ added, and the stop tokens are those the publisher's generation_config.json decl
 """
 
 import copy
+import json
 import re
 from functools import cache
 from pathlib import Path
@@ -425,8 +426,6 @@ def test_generation_block_mask_agrees_except_the_newline_after_the_stop(kind):
 
 def qwen3_recipe(tmp_path, rows: list[dict], **keys) -> str:
     """A recipe for `rows` on a 1-layer Llama with the Qwen3 template, its tokenizer and its stop tokens."""
-    import json
-
     import yaml
     from transformers import GenerationConfig, LlamaConfig
 
@@ -665,37 +664,65 @@ def test_a_bad_recipe_chat_template_kwargs_exits_2_with_one_line(tmp_path, capsy
     assert said in err and "Traceback" not in err
 
 
-def test_sft_generate_prompts_with_the_runs_kwargs_unless_told(tmp_path, monkeypatch, capsys):
-    """`sft generate` (and `sft chat`, which shares load_for_verb and generate) on a run folder's checkpoint:
-    the prompt ends with the empty think block as the run's recipe.yaml (enable_thinking false) trained it;
-    --chat_template_kwargs overrides it, and a bad one exits 2."""
+def generate_prompts(monkeypatch, folder: Path, *extra: str) -> list[str]:
+    """The prompt `sft generate FOLDER` (and `sft chat`, which shares load_for_verb and generate) builds for ASK, on
+    a 1-layer model with Qwen3's tokenizer and stop tokens standing in for the folder's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import sft.models.saved
-    from sft import load_recipe
     from sft.cli.main import main
     from sft.evaluation import generation
-    from sft.training.recipe import save_recipe
 
     tok, stops = family_tokenizer("qwen3")
-    config = load_recipe(qwen3_recipe(tmp_path, [{"messages": [ASK, FOUR]}], chat_template_kwargs=NO_THINK))
-    run = Path(config.output_dir)
-    (run / "checkpoint-5").mkdir(parents=True)
-    save_recipe(config, run / "recipe.yaml")
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=1, num_attention_heads=4, eos_token_id=stops))
     monkeypatch.setattr(sft.models.saved, "load_for_inference", lambda *args: (model, tok))
     prompts = []
     render = generation.render_prompt
     monkeypatch.setattr(generation, "render_prompt", lambda *a: prompts.append(render(*a)[0]) or render(*a))
-    question = ["--prompt", ASK["content"], "--max_new_tokens", "1"]
-    assert main(["generate", str(run / "checkpoint-5"), *question]) in (0, None)
-    assert main(["generate", str(run), *question, "--chat_template_kwargs", "{enable_thinking: true}"]) in (0, None)
-    asked = f"<|im_start|>user\n{ASK['content']}<|im_end|>\n<|im_start|>assistant\n"
-    assert prompts == [asked + EMPTY_THINK, asked]
+    assert main(["generate", str(folder), "--prompt", ASK["content"], "--max_new_tokens", "1", *extra]) in (0, None)
+    return prompts
+
+
+ASKED = f"<|im_start|>user\n{ASK['content']}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_sft_generate_prompts_with_the_runs_kwargs_unless_told(tmp_path, monkeypatch, capsys):
+    """`sft generate` on a run folder's checkpoint: the prompt ends with the empty think block as the run's
+    recipe.yaml (enable_thinking false) trained it; --chat_template_kwargs overrides it, and a bad one exits 2."""
+    from sft import load_recipe
+    from sft.cli.main import main
+    from sft.training.recipe import save_recipe
+
+    config = load_recipe(qwen3_recipe(tmp_path, [{"messages": [ASK, FOUR]}], chat_template_kwargs=NO_THINK))
+    run = Path(config.output_dir)
+    (run / "checkpoint-5").mkdir(parents=True)
+    save_recipe(config, run / "recipe.yaml")
+    assert generate_prompts(monkeypatch, run / "checkpoint-5") == [ASKED + EMPTY_THINK]
+    assert generate_prompts(monkeypatch, run, "--chat_template_kwargs", "{enable_thinking: true}") == [ASKED]
     capsys.readouterr()
-    assert main(["generate", str(run), *question, "--chat_template_kwargs", "[enable_thinking]"]) == 2
+    assert main(["generate", str(run), "--prompt", "2+2?", "--chat_template_kwargs", "[enable_thinking]"]) == 2
     assert "Bad value for --chat_template_kwargs: ['enable_thinking'] is not a mapping" in capsys.readouterr().err
+
+
+def test_a_merged_model_prompts_with_the_kwargs_its_run_trained_with(tmp_path, monkeypatch, capsys):
+    """sft merge keeps the run's data_stats.json, not its recipe.yaml (a merged folder is not a run): the kwargs were
+    read from recipe.yaml alone, so `sft generate`/`chat` of a merged enable_thinking-false model prompted without
+    the empty think block it trained after. The run's data statistics (`sft data --json`, data_stats.json) record
+    them."""
+    from sft.cli.main import main
+
+    recipe = qwen3_recipe(tmp_path, [{"messages": [ASK, FOUR]}])
+    capsys.readouterr()
+    assert main(["data", recipe, "--json", "--chat_template_kwargs", "{enable_thinking: false}"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["chat_template_kwargs"] == NO_THINK and stats["formats"] == "messages"
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / "data_stats.json").write_text(json.dumps(stats))  # as sft merge copies it from the run
+    assert generate_prompts(monkeypatch, merged) == [ASKED + EMPTY_THINK]
+    (merged / "data_stats.json").write_text(json.dumps(dict(stats, chat_template_kwargs=None)))
+    assert generate_prompts(monkeypatch, merged) == [ASKED]
 
 
 def test_mask_proof_renders_with_the_recipes_kwargs(tmp_path):

@@ -32,6 +32,7 @@ def training_stats(train: Prepared, config: SFTConfig, packing_strategy: str | N
     if any(s.format in CHAT_FORMATS for s in train.sources) or train.reasoning_tokens or train.split_rows:
         stats.reasoning_tokens, stats.history, stats.split_rows = (train.reasoning_tokens, config.history,
                                                                    train.split_rows)
+        stats.chat_template_kwargs = config.chat_template_kwargs or None
     return stats
 
 

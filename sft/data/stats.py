@@ -29,6 +29,7 @@ class DataStats:
     history: str | None = None  # chat data: the `history` policy for templates that render history differently
     split_rows: int | None = None  # chat data: extra examples that policy made (history: split)
     formats: str | None = None  # the data formats trained (a run's: `sft generate` prompts as they were)
+    chat_template_kwargs: dict | None = None  # chat data: the template variables it was rendered with (the same)
 
     def as_dict(self) -> dict:
         """JSON-ready mapping (the `sft data --json` keys)."""
@@ -42,9 +43,9 @@ class DataStats:
         return "\n".join(lines)
 
 
-def _fmt(key: str, value: float | int | str) -> str:
-    if isinstance(value, str):
-        return value
+def _fmt(key: str, value: float | int | str | dict) -> str:
+    if isinstance(value, (str, dict)):
+        return str(value)
     if key == "packing_efficiency":
         return f"{value:.2%}"
     return f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"

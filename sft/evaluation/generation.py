@@ -94,15 +94,18 @@ def trained_template(folder: str | Path) -> str | None:
 
 
 def trained_template_kwargs(folder: str | Path) -> dict | None:
-    """The chat_template_kwargs a run folder (or one of its checkpoints) trained with, from its recipe.yaml: the
-    prompt `sft chat`/`generate` build must be the one its masks trained on; None where no recipe is recorded (a
-    merged model, a Hub model) or it set none."""
-    recipe = rundir.run_file(Path(folder), rundir.RECIPE)  # a checkpoint's is its run's
+    """The chat_template_kwargs a run folder (or one of its checkpoints, or its merged model) trained with, from its
+    data_stats.json (or the recipe.yaml of a run saved before data_stats recorded them): the prompt `sft chat`/
+    `generate` build must be the one its masks trained on. None where none are recorded (a Hub model) or set."""
+    folder = Path(folder)
+    stats, recipe = rundir.run_file(folder, rundir.DATA_STATS), rundir.run_file(folder, rundir.RECIPE)
     try:
-        values = yaml.safe_load(recipe.read_text(encoding="utf-8")) if recipe else None
-    except (OSError, yaml.YAMLError):
+        recorded = json.loads(stats.read_text(encoding="utf-8")) if stats else None
+        if not (isinstance(recorded, dict) and "chat_template_kwargs" in recorded):
+            recorded = yaml.safe_load(recipe.read_text(encoding="utf-8")) if recipe else None
+    except (OSError, ValueError, yaml.YAMLError):
         return None
-    kwargs = values.get("chat_template_kwargs") if isinstance(values, dict) else None
+    kwargs = recorded.get("chat_template_kwargs") if isinstance(recorded, dict) else None
     return kwargs if isinstance(kwargs, dict) and kwargs else None
 
 
