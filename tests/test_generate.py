@@ -20,6 +20,7 @@ from sft.evaluation.generation import GenerationOptions, render_prompt
 from sft.models.saved import load_for_inference
 
 from conftest import EMBEDDED_MODEL, FIXTURES, REPO, make_tokenizer
+from test_template_masks import FAMILIES, family_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -111,7 +112,7 @@ def test_chat_reset_starts_a_new_conversation(monkeypatch, capsys):
 
     monkeypatch.setattr(chat, "generate", fake_generate)
     stdin = io.StringIO("hello\n\nagain\n/reset\nhi\n/exit\nignored\n")
-    chat.chat(None, None, GenerationOptions(), system="be brief", stdin=stdin)
+    chat.chat(None, make_tokenizer(), GenerationOptions(), system="be brief", stdin=stdin)
     assert seen == [["be brief", "hello"], ["be brief", "hello", "reply 1", "again"], ["be brief", "hi"]]
 
 
@@ -192,4 +193,37 @@ def test_chat_keeps_the_think_tags_its_template_cuts_earlier_reasoning_at(templa
     monkeypatch.setattr(model, "generate", replay)
     chat.chat(model, tokenizer, GenerationOptions(), stdin=io.StringIO("2+2?\nand 3+3?\n"))
     assert earlier_turn in prompts[1] and "wants" not in prompts[1]
+    assert capsys.readouterr().out == f"assistant> {reply}\n" * 2
+
+
+@pytest.mark.skipif(not (FIXTURES / "templates").is_dir(), reason="fixture chat templates not found (set SFT_FIXTURES)")
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"llava_next"}))  # reads typed content parts only
+def test_chat_prompts_the_next_turn_as_the_template_renders_the_reply(name, monkeypatch, capsys):
+    """`sft chat` keeps each reply for the next turn's prompt, which must be what the model's template renders for
+    that conversation: with a reasoning template, the reply's reasoning and answer in their fields. GPT-OSS's reply
+    lost its markup (special tokens) to decoding, printed as 'analysisThe user wants 2+2.assistantfinalIt is 4.',
+    and went whole into the final channel of the next prompt, a prompt the model never saw."""
+    tokenizer, stops = family_tokenizer(name)
+    form = generation.reasoning_form(tokenizer)
+    reasoning, answer = "The user wants 2+2.", "It is 4."
+    reply = f"{form[0]}{reasoning}{form[1]}{answer}" if form else answer
+    ids = torch.tensor([tokenizer(reply, add_special_tokens=False)["input_ids"] + stops[:1]])
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    prompts = []
+
+    def replay(input_ids, streamer, **_):  # the model "writes" the reply token by token
+        prompts.append(tokenizer.decode(input_ids[0]))
+        streamer.put(input_ids)
+        for token in ids[0]:
+            streamer.put(token[None])
+        streamer.end()
+        return torch.cat([input_ids, ids], dim=1)
+
+    monkeypatch.setattr(model, "generate", replay)
+    chat.chat(model, tokenizer, GenerationOptions(), stdin=io.StringIO("2+2?\nand 3+3?\n"))
+    turn = {"role": "assistant", "content": answer, **({"reasoning_content": reasoning, "thinking": reasoning}
+                                                      if form else {})}
+    conversation = [{"role": "user", "content": "2+2?"}, turn, {"role": "user", "content": "and 3+3?"}]
+    assert prompts[1] == tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert capsys.readouterr().out == f"assistant> {reply}\n" * 2

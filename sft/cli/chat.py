@@ -6,7 +6,14 @@ from typing import Iterator, TextIO
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from sft.evaluation.generation import GenerationOptions, ReplyStreamer, generate
+from sft.evaluation.generation import (
+    GenerationOptions,
+    ReplyStreamer,
+    dropped_ids,
+    generate,
+    reasoning_form,
+    reply_message,
+)
 
 
 def chat(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase, options: GenerationOptions,
@@ -18,6 +25,8 @@ def chat(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase,
         if model.config.is_encoder_decoder:  # generation.encoder_source: it was trained on single source/target pairs
             print("This encoder-decoder model answers each message on its own, without the earlier turns.")
     history = start_conversation(system)
+    kwargs = options.chat_template_kwargs  # a reply's reasoning markup is kept and read back into its fields
+    form, dropped = reasoning_form(tokenizer, kwargs), dropped_ids(tokenizer, kwargs)
     for line in user_turns(stdin, interactive):
         if line == "/exit":
             break
@@ -27,8 +36,8 @@ def chat(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase,
             continue
         history.append({"role": "user", "content": line})
         print("assistant> ", end="", flush=True)
-        reply = generate(model, tokenizer, history, options, ReplyStreamer(tokenizer))
-        history.append({"role": "assistant", "content": reply})
+        reply = generate(model, tokenizer, history, options, ReplyStreamer(tokenizer, dropped))
+        history.append(reply_message(reply, form))
 
 
 def start_conversation(system: str | None) -> list[dict[str, str]]:

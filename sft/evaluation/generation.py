@@ -19,9 +19,10 @@ from transformers import (
 
 from sft import rundir
 from sft.config.validate import template_kwargs_problem
-from sft.data.chat_templates import REASONING_TAGS
+from sft.data.chat_templates import REASONING_TAGS, REPLY_MARK, TEMPLATE_ERRORS
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT, CHAT_FORMATS
 from sft.data.stops import stop_token_ids
+from sft.data.template_inputs import REASONING_MARK
 from sft.errors import SFTError
 
 # Greedy decoding ignores sampling knobs; clearing the model's own (e.g. temperature 0.6) avoids warnings and, in
@@ -167,32 +168,71 @@ def generate(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerB
     with torch.inference_mode():
         output = model.generate(**inputs, generation_config=generation_config(model, tokenizer, options),
                                 streamer=streamer)
-    return decode_reply(tokenizer, reply_tokens(output, inputs["input_ids"], encoder_decoder)[0].tolist())
+    ids = reply_tokens(output, inputs["input_ids"], encoder_decoder)[0].tolist()
+    return decode_reply(tokenizer, ids, dropped_ids(tokenizer, options.chat_template_kwargs))
 
 
-def dropped_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def dropped_ids(tokenizer: PreTrainedTokenizerBase, template_kwargs: dict | None = None) -> set[int]:
     """What generated text leaves out (sft chat and generate replies, eval predictions and references): what
-    skip_special_tokens drops, less two kinds of text it would lose. <think> and </think>: a tokenizer that registers
-    them as special (fine-tunes often do) lost them, and `sft chat` fed its history a reply with the reasoning as
-    part of the answer, which reasoning templates (Qwen3, DeepSeek-R1, GLM) cut off at </think> in earlier turns.
-    <unk>: a character the tokenizer cannot write (T5 has no `{`, `<`, `ł`, no Chinese); dropped, an eval scored a
-    reply that left it out as one that wrote it."""
+    skip_special_tokens drops, less three kinds of text it would lose. The markup the chat template writes around a
+    reply's reasoning (reasoning_form; GPT-OSS's <|channel|>analysis<|message|>... are special tokens): dropped, a
+    reply read 'analysisThe user wants 2+2.assistantfinalIt is 4.'. <think> and </think>: a tokenizer that
+    registers them as special (fine-tunes often do) lost them, and `sft chat` fed its history a reply with the
+    reasoning as part of the answer, which reasoning templates (Qwen3, DeepSeek-R1, GLM) cut off at </think> in
+    earlier turns. <unk>: a character the tokenizer cannot write (T5 has no `{`, `<`, `ł`, no Chinese); dropped, an
+    eval scored a reply that left it out as one that wrote it."""
     special = {*tokenizer.all_special_ids, *(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)}
-    return {i for i in special - {tokenizer.unk_token_id} if tokenizer.convert_ids_to_tokens(i) not in REASONING_TAGS}
+    form = reasoning_form(tokenizer, template_kwargs)
+    markup = set(tokenizer("".join(form), add_special_tokens=False)["input_ids"]) if form else set()
+    return {i for i in special - markup - {tokenizer.unk_token_id}
+            if tokenizer.convert_ids_to_tokens(i) not in REASONING_TAGS}
 
 
-def decode_reply(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
-    """A reply's text without special tokens (turn ends, padding), its reasoning tags and <unk> kept."""
-    dropped = dropped_ids(tokenizer)
+def reasoning_form(tokenizer: PreTrainedTokenizerBase, template_kwargs: dict | None = None) -> tuple[str, str] | None:
+    """What the chat template writes in a reply around its reasoning, found by rendering one after the generation
+    prompt: (before the reasoning, between it and the answer). Qwen3 ('<think>\\n', '\\n</think>\\n\\n'), GPT-OSS
+    ('<|channel|>analysis<|message|>', '<|end|><|start|>assistant<|channel|>final<|message|>'), a prompt that opens
+    the block itself (Qwen3.5) ('', '\\n</think>\\n\\n'). None where the template renders no reasoning in a reply."""
+    if not tokenizer.chat_template:
+        return None
+    user = {"role": "user", "content": "hi"}
+    answer = {"role": "assistant", "content": REPLY_MARK, "reasoning_content": REASONING_MARK,
+              "thinking": REASONING_MARK}
+    try:
+        prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True,
+                                               **(template_kwargs or {}))
+        full = tokenizer.apply_chat_template([user, answer], tokenize=False, **(template_kwargs or {}))
+    except TEMPLATE_ERRORS:
+        return None
+    reply = full[len(prompt):] if full.startswith(prompt) else ""
+    at, answer_at = reply.find(REASONING_MARK), reply.find(REPLY_MARK)
+    return (reply[:at], reply[at + len(REASONING_MARK):answer_at]) if 0 <= at < answer_at else None
+
+
+def reply_message(text: str, form: tuple[str, str] | None) -> dict[str, str]:
+    """A reply (decode_reply's text) as the assistant message the next prompt renders: where it has the template's
+    reasoning form, its reasoning in the fields templates read it from and the answer as the content (GPT-OSS
+    renders an earlier turn's content as its final channel: the whole reply there was a prompt it never saw); else
+    the whole text as the content (templates that cut earlier reasoning at </think> do so themselves)."""
+    if form and text.startswith(form[0]) and form[1] in text[len(form[0]):]:
+        reasoning, answer = text[len(form[0]):].split(form[1], 1)
+        return {"role": "assistant", "content": answer, "reasoning_content": reasoning, "thinking": reasoning}
+    return {"role": "assistant", "content": text}
+
+
+def decode_reply(tokenizer: PreTrainedTokenizerBase, ids: list[int], dropped: set[int] | None = None) -> str:
+    """A reply's text without special tokens (turn ends, padding), its reasoning markup and <unk> kept; `dropped`:
+    dropped_ids(tokenizer) computed once by a caller that decodes many."""
+    dropped = dropped_ids(tokenizer) if dropped is None else dropped
     return tokenizer.decode([i for i in ids if i not in dropped], skip_special_tokens=False)
 
 
 class ReplyStreamer(TextStreamer):
     """Prints a reply as it is generated, as decode_reply writes it (not the prompt)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, dropped: set[int] | None = None) -> None:
         super().__init__(tokenizer, skip_prompt=True)
-        self.dropped: set[int] | None = None  # read at the first reply token
+        self.dropped = dropped  # dropped_ids; read at the first reply token where not given
 
     def put(self, value: torch.Tensor) -> None:
         if self.skip_prompt and self.next_tokens_are_prompt:

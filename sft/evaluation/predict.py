@@ -37,7 +37,7 @@ from sft.config.arguments import SFTConfig
 from sft.data.boundaries import spans
 from sft.data.encode import IGNORE_INDEX
 from sft.errors import SFTError
-from sft.evaluation.generation import GREEDY, decode_reply, decoding_config, reply_tokens
+from sft.evaluation.generation import GREEDY, decode_reply, decoding_config, dropped_ids, reply_tokens
 from sft.evaluation.metrics import compute_metrics, resolve_metrics
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -174,6 +174,10 @@ class PromptGenerator:
     encoder_decoder: bool
     synced_gpus: bool = False  # ZeRO-3 / FSDP: every rank keeps stepping until all have finished
     offsets: dict[tuple, int] = field(default_factory=dict)  # answer_offsets of the eval set
+    dropped: set[int] = field(init=False)  # generation.dropped_ids, found once
+
+    def __post_init__(self) -> None:
+        self.dropped = dropped_ids(self.tokenizer)
 
     def examples(self, inputs: dict[str, Any]) -> list[list[Example]]:
         """The batch's examples grouped by dataset row."""
@@ -210,10 +214,10 @@ class PromptGenerator:
 
     def decode_answer(self, tokens: list[int]) -> str:
         """Text of the tokens before the first EOS / end-of-turn id, as a reply is decoded (generation.decode_reply:
-        special tokens dropped, `<unk>` and reasoning tags kept)."""
+        special tokens dropped, `<unk>` and reasoning markup kept)."""
         stops = self.config.eos_token_id if isinstance(self.config.eos_token_id, list) else [self.config.eos_token_id]
         end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
-        return decode_reply(self.tokenizer, tokens[:end])
+        return decode_reply(self.tokenizer, tokens[:end], self.dropped)
 
 
 def full_parameters(model: nn.Module) -> contextlib.AbstractContextManager:
