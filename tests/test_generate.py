@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from test_template_masks import FAMILIES, family_tokenizer
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from sft import SFTError, load_recipe, train
@@ -20,7 +21,6 @@ from sft.evaluation.generation import GenerationOptions, render_prompt
 from sft.models.saved import load_for_inference
 
 from conftest import EMBEDDED_MODEL, FIXTURES, REPO, make_tokenizer
-from test_template_masks import FAMILIES, family_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
