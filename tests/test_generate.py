@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 from test_template_masks import FAMILIES, family_tokenizer
+from test_wild_templates import FAMILIES as WILD
+from test_wild_templates import family_tokenizer as wild_tokenizer
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from sft import SFTError, load_recipe, train
@@ -196,23 +198,20 @@ def test_chat_keeps_the_think_tags_its_template_cuts_earlier_reasoning_at(templa
     assert capsys.readouterr().out == f"assistant> {reply}\n" * 2
 
 
-@pytest.mark.skipif(not (FIXTURES / "templates").is_dir(), reason="fixture chat templates not found (set SFT_FIXTURES)")
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"llava_next"}))  # reads typed content parts only
-def test_chat_prompts_the_next_turn_as_the_template_renders_the_reply(name, monkeypatch, capsys):
-    """`sft chat` keeps each reply for the next turn's prompt, which must be what the model's template renders for
-    that conversation: with a reasoning template, the reply's reasoning and answer in their fields. GPT-OSS's reply
-    lost its markup (special tokens) to decoding, printed as 'analysisThe user wants 2+2.assistantfinalIt is 4.',
-    and went whole into the final channel of the next prompt, a prompt the model never saw."""
-    tokenizer, stops = family_tokenizer(name)
-    form = generation.reasoning_form(tokenizer)
-    reasoning, answer = "The user wants 2+2.", "It is 4."
-    reply = f"{form[0]}{reasoning}{form[1]}{answer}" if form else answer
-    ids = torch.tensor([tokenizer(reply, add_special_tokens=False)["input_ids"] + stops[:1]])
+REPLY_FAMILIES = [*((family_tokenizer, name) for name in sorted(FAMILIES)),
+                  *((wild_tokenizer, name) for name in sorted(WILD))]
+THINKING_PARTS = {"ministral_3_reasoning"}  # reads reasoning only as a {"type": "thinking"} content part
+TEXT_PARTS = {"idefics3", "llava_next"}  # reads content only as typed parts: a string renders nothing or fails
+
+
+def chat_twice(tokenizer, reply: str, stop: int, monkeypatch) -> list[str]:
+    """The prompts of a two-turn `sft chat` whose model "writes" `reply` and `stop` token by token each turn."""
+    ids = torch.tensor([tokenizer(reply, add_special_tokens=False)["input_ids"] + [stop]])
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
     prompts = []
 
-    def replay(input_ids, streamer, **_):  # the model "writes" the reply token by token
+    def replay(input_ids, streamer, **_):
         prompts.append(tokenizer.decode(input_ids[0]))
         streamer.put(input_ids)
         for token in ids[0]:
@@ -222,8 +221,41 @@ def test_chat_prompts_the_next_turn_as_the_template_renders_the_reply(name, monk
 
     monkeypatch.setattr(model, "generate", replay)
     chat.chat(model, tokenizer, GenerationOptions(), stdin=io.StringIO("2+2?\nand 3+3?\n"))
-    turn = {"role": "assistant", "content": answer, **({"reasoning_content": reasoning, "thinking": reasoning}
-                                                      if form else {})}
+    return prompts
+
+
+@pytest.mark.skipif(not (FIXTURES / "templates").is_dir(), reason="fixture chat templates not found (set SFT_FIXTURES)")
+@pytest.mark.parametrize("family, name", REPLY_FAMILIES, ids=[name for _, name in REPLY_FAMILIES])
+def test_chat_prompts_the_next_turn_as_the_template_renders_the_reply(family, name, monkeypatch, capsys):
+    """`sft chat` keeps each reply for the next turn's prompt, which must be what the model's template renders for
+    that conversation: with a reasoning template, the reply's reasoning and answer in the fields (or the thinking
+    part) it reads. GPT-OSS's reply lost its markup (special tokens) to decoding, printed as 'analysisThe user wants
+    2+2.assistantfinalIt is 4.', and went whole into the final channel of the next prompt; Nemotron 3's kept its
+    reasoning as the earlier answer, Magistral's ran it into the answer; Idefics3 was prompted with empty messages
+    (it reads typed parts), LLaVA-Next failed. The messages are now prepared as training prepares a row's."""
+    tokenizer, stops = family(name)
+    form = generation.reasoning_form(tokenizer)
+    reasoning, answer = "The user wants 2+2.", "It is 4."
+    reply = f"{form[0]}{reasoning}{form[1]}{answer}" if form else answer
+    prompts = chat_twice(tokenizer, reply, stops[0], monkeypatch)
+    turn = {"role": "assistant", "content": answer}
+    if form and name in THINKING_PARTS:
+        turn["content"] = [{"type": "thinking", "thinking": reasoning}, {"type": "text", "text": answer}]
+    elif form:
+        turn.update(reasoning_content=reasoning, thinking=reasoning)
     conversation = [{"role": "user", "content": "2+2?"}, turn, {"role": "user", "content": "and 3+3?"}]
+    if name in TEXT_PARTS:
+        conversation = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in conversation]
     assert prompts[1] == tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert capsys.readouterr().out == f"assistant> {reply}\n" * 2
+
+
+@pytest.mark.skipif(not (FIXTURES / "tokenizers").is_dir(), reason="fixture tokenizers not found (set SFT_FIXTURES)")
+def test_chat_moves_a_replys_think_block_where_the_template_reads_reasoning(monkeypatch):
+    """Kimi-K2-Thinking renders reasoning only in a tool call's turn (so a reply has no reasoning form) and writes an
+    earlier answer as <think></think>answer: a reply '<think>...</think>answer' kept as the content went into the
+    next prompt as <think></think><think>...</think>answer. The reply's think block now moves into reasoning_content,
+    as training prepares a row's."""
+    tokenizer, stops = wild_tokenizer("kimi_k2_thinking")
+    prompts = chat_twice(tokenizer, "<think>The user wants 2+2.</think>It is 4.", stops[0], monkeypatch)
+    assert "<|im_middle|><think></think>It is 4.<|im_end|>" in prompts[1] and "wants" not in prompts[1]

@@ -16,6 +16,7 @@ it is trained there; otherwise (the template renders history differently) the `h
 reasoning or tool calls the template does not render raises SFTError naming the row.
 """
 
+import copy
 import json
 import logging
 import re
@@ -127,6 +128,16 @@ class ChatRenderer:
                             "the model would learn these answers without the tool list it is given", "Use a template "
                             "with a tool format (the model's own, if it has one), or drop the `tools` column.", "tools")
         return examples
+
+    def render_messages(self, messages: list[dict], generation_prompt: bool = True) -> str:
+        """A conversation with the model (`sft chat`, `sft generate`) in the text this template gives it in training:
+        each message prepared as a row's (a reply's think block in the reasoning fields a template reads, reasoning as
+        a thinking part), not checked as data is (a reply may be empty). Template errors propagate."""
+        prepared = [Message(copy.deepcopy(m), False, f"messages[{i}]") for i, m in enumerate(messages)]
+        for message in prepared:
+            self._prepare(message)
+        return self._compiled.render(messages=[m.data for m in prepared], tools=None, documents=None,
+                                     add_generation_prompt=generation_prompt, **self._variables)
 
     def _examples(self, messages: list[Message], turns: dict[int, _Turn], text: str, ctx: Row) -> list[Rendered]:
         """Turns that render inside the whole conversation share one example; the others follow `history`."""

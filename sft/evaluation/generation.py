@@ -1,5 +1,6 @@
 """Generation settings: decoding options, the prompt a conversation renders to, a reply, the generation config."""
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from transformers import (
 
 from sft import rundir
 from sft.config.validate import template_kwargs_problem
+from sft.data.chat import ChatRenderer
 from sft.data.chat_templates import REASONING_TAGS, REPLY_MARK, TEMPLATE_ERRORS
 from sft.data.formats import ALPACA_PROMPT_NO_INPUT, CHAT_FORMATS
 from sft.data.stops import stop_token_ids
@@ -71,8 +73,7 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, s
         raise SFTError("The tokenizer has no chat template; use the alpaca template or a model saved with one.")
     if template == "chat" or (template == "auto" and tokenizer.chat_template):
         try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 **(template_kwargs or {})), False
+            return conversation_renderer(tokenizer, template_kwargs).render_messages(messages), False
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as err:
             raise SFTError(f"The model's chat template failed on this conversation ({type(err).__name__}: "
                            f"{str(err).splitlines()[0] if str(err) else ''}). Fix chat_template.jinja in the model "
@@ -188,21 +189,31 @@ def dropped_ids(tokenizer: PreTrainedTokenizerBase, template_kwargs: dict | None
             if tokenizer.convert_ids_to_tokens(i) not in REASONING_TAGS}
 
 
+def conversation_renderer(tokenizer: PreTrainedTokenizerBase, template_kwargs: dict | None = None) -> ChatRenderer:
+    """The training renderer of the tokenizer's chat template with these variables, built once (its probes render
+    the template several times) for every prompt of a chat session."""
+    return _renderer(tokenizer, json.dumps(template_kwargs or {}, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=4)
+def _renderer(tokenizer: PreTrainedTokenizerBase, template_kwargs: str) -> ChatRenderer:
+    return ChatRenderer(tokenizer, template_kwargs=json.loads(template_kwargs))
+
+
 def reasoning_form(tokenizer: PreTrainedTokenizerBase, template_kwargs: dict | None = None) -> tuple[str, str] | None:
     """What the chat template writes in a reply around its reasoning, found by rendering one after the generation
     prompt: (before the reasoning, between it and the answer). Qwen3 ('<think>\\n', '\\n</think>\\n\\n'), GPT-OSS
-    ('<|channel|>analysis<|message|>', '<|end|><|start|>assistant<|channel|>final<|message|>'), a prompt that opens
-    the block itself (Qwen3.5) ('', '\\n</think>\\n\\n'). None where the template renders no reasoning in a reply."""
+    ('<|channel|>analysis<|message|>', '<|end|><|start|>assistant<|channel|>final<|message|>'), Magistral ('[THINK]',
+    '[/THINK]'), a prompt that opens the block itself (Qwen3.5) ('', '\\n</think>\\n\\n'). None where the template
+    renders no reasoning in a reply (Kimi-K2-Thinking: only in a tool call's)."""
     if not tokenizer.chat_template:
         return None
     user = {"role": "user", "content": "hi"}
-    answer = {"role": "assistant", "content": REPLY_MARK, "reasoning_content": REASONING_MARK,
-              "thinking": REASONING_MARK}
+    answer = {"role": "assistant", "content": REPLY_MARK, "reasoning_content": REASONING_MARK}
     try:
-        prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True,
-                                               **(template_kwargs or {}))
-        full = tokenizer.apply_chat_template([user, answer], tokenize=False, **(template_kwargs or {}))
-    except TEMPLATE_ERRORS:
+        renderer = conversation_renderer(tokenizer, template_kwargs)
+        prompt, full = renderer.render_messages([user]), renderer.render_messages([user, answer], False)
+    except (SFTError, *TEMPLATE_ERRORS):
         return None
     reply = full[len(prompt):] if full.startswith(prompt) else ""
     at, answer_at = reply.find(REASONING_MARK), reply.find(REPLY_MARK)
@@ -211,12 +222,12 @@ def reasoning_form(tokenizer: PreTrainedTokenizerBase, template_kwargs: dict | N
 
 def reply_message(text: str, form: tuple[str, str] | None) -> dict[str, str]:
     """A reply (decode_reply's text) as the assistant message the next prompt renders: where it has the template's
-    reasoning form, its reasoning in the fields templates read it from and the answer as the content (GPT-OSS
-    renders an earlier turn's content as its final channel: the whole reply there was a prompt it never saw); else
-    the whole text as the content (templates that cut earlier reasoning at </think> do so themselves)."""
+    reasoning form, its reasoning as reasoning_content and the answer as the content (GPT-OSS renders an earlier
+    turn's content as its final channel: the whole reply there was a prompt it never saw); else the whole text as the
+    content, which render_messages prepares as training does (a think block into the fields a template reads)."""
     if form and text.startswith(form[0]) and form[1] in text[len(form[0]):]:
         reasoning, answer = text[len(form[0]):].split(form[1], 1)
-        return {"role": "assistant", "content": answer, "reasoning_content": reasoning, "thinking": reasoning}
+        return {"role": "assistant", "content": answer, "reasoning_content": reasoning}
     return {"role": "assistant", "content": text}
 
 
