@@ -6,7 +6,7 @@ import re
 import datasets
 import pytest
 import torch
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
 
 from sft import SFTConfig, SFTTrainer
 from sft.data.collators import PackedCollator, PaddingFreeCollator
@@ -27,11 +27,12 @@ def toy_dataset(seed: int = 0) -> datasets.Dataset:
     return datasets.Dataset.from_list(rows)
 
 
-def one_step(tmp_path, tokenizer, batch: int, accumulation: int) -> tuple[float, dict]:
-    """Run one SGD step (lr 1, no clipping) and return the logged loss and the weight change (= -gradient)."""
+def one_step(tmp_path, tokenizer, batch: int, accumulation: int, arguments: type = SFTConfig) -> tuple[float, dict]:
+    """Run one SGD step (lr 1, no clipping) and return the logged loss and the weight change (= -gradient);
+    `arguments`: SFTConfig, or transformers' own TrainingArguments as a user's script passes them."""
     model = make_llama(len(tokenizer), seed=1)
     before = {k: v.clone() for k, v in model.named_parameters()}
-    args = SFTConfig(output_dir=str(tmp_path / f"b{batch}"), per_device_train_batch_size=batch,
+    args = arguments(output_dir=str(tmp_path / f"b{batch}"), per_device_train_batch_size=batch,
                      gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0, optim="sgd",
                      lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to="none",
                      save_strategy="no", seed=3, dataloader_drop_last=False)
@@ -50,8 +51,11 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path, tokenizer):
     assert any(g.abs().max() > 0 for g in grad_full.values())
 
 
-def test_loss_is_the_mean_over_trained_tokens(tmp_path, tokenizer):
-    loss, _ = one_step(tmp_path, tokenizer, batch=4, accumulation=1)
+@pytest.mark.parametrize("arguments", [SFTConfig, TrainingArguments])
+def test_loss_is_the_mean_over_trained_tokens(tmp_path, tokenizer, arguments):
+    # With transformers' TrainingArguments (README: the trainers "can be used directly") SFTTrainer failed when it was
+    # built: AttributeError 'TrainingArguments' object has no attribute 'packing' (the default collator's choice).
+    loss, _ = one_step(tmp_path, tokenizer, batch=2, accumulation=2, arguments=arguments)
     model = make_llama(len(tokenizer), seed=1)
     total, count = 0.0, 0
     for row in toy_dataset():

@@ -48,8 +48,9 @@ def default_collator(tokenizer: PreTrainedTokenizerBase, args: Any) -> Any:
     and packed ones for flash or varlen attention (which need cu_seq_lens), get one flattened row
     (sft.models.families.flattened_batches).
     """
-    packs = args.packing or bool(args.eval_packing)
-    if flattened_batches(args.attn_implementation, args.padding_free, packs):
+    # A plain TrainingArguments (the Trainer used from Python) has none of sft's layout fields: unpacked batches.
+    packs = bool(getattr(args, "packing", False) or getattr(args, "eval_packing", False))
+    if flattened_batches(getattr(args, "attn_implementation", None), getattr(args, "padding_free", False), packs):
         return PaddingFreeCollator()
     if packs:
         # Under torch_compile every packed batch is max_length wide: one shape, one graph. Padded to the longest row,
