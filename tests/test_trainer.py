@@ -6,9 +6,9 @@ import re
 import datasets
 import pytest
 import torch
-from transformers import TrainerCallback, TrainingArguments
+from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq, TrainerCallback, TrainingArguments
 
-from sft import SFTConfig, SFTTrainer
+from sft import SFTConfig, SFTError, SFTTrainer
 from sft.data.collators import PackedCollator, PaddingFreeCollator
 from sft.data.encode import IGNORE_INDEX
 from sft.training.throughput import ThroughputLog
@@ -161,3 +161,38 @@ def test_group_by_length_order_is_a_function_of_seed_and_epoch(tmp_path, tokeniz
     assert order(0, 0) == order(0, 5)
     assert order(0, 0) != order(1, 0)  # still shuffled anew each epoch
     assert sorted(order(1, 0)) == list(range(3, 123))
+
+
+@pytest.mark.parametrize(("row", "missing"), [({"text": "Hello, how are you today?"}, "input_ids or labels"),
+                                              ({"messages": [{"role": "user", "content": "hi"}]}, "input_ids or labels"),
+                                              ({"input_ids": [1, 5, 6]}, "labels")])
+def test_rows_the_trainer_cannot_train_are_refused_when_it_is_built(tmp_path, tokenizer, row, missing):
+    """Raw rows failed only in train(), with transformers' advice to set remove_unused_columns=False (then a crash in
+    the collator); input_ids without labels crashed with AttributeError: 'bool' object has no attribute 'sum'."""
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    rows = datasets.Dataset.from_list([row] * 2)
+    with pytest.raises(SFTError, match=f"train_dataset has no {missing} column.*sft.build_datasets"):
+        SFTTrainer(model=make_llama(len(tokenizer)), args=args, processing_class=tokenizer, train_dataset=rows)
+    with pytest.raises(SFTError, match=f"eval_dataset has no {missing} column"):
+        SFTTrainer(model=make_llama(len(tokenizer)), args=args, processing_class=tokenizer, eval_dataset=rows)
+
+
+def test_a_users_collator_makes_the_labels(tmp_path, tokenizer):
+    """input_ids-only rows with the user's own collator: labels from DataCollatorForLanguageModeling train every token
+    (the token-normalised loss: the mean over all targets); a collator that makes none gets the Trainer's own error."""
+    ids = toy_dataset().select_columns(["input_ids"])
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1, learning_rate=0.0,
+                             per_device_train_batch_size=4, logging_steps=1, save_strategy="no")
+    trainer = SFTTrainer(model=make_llama(len(tokenizer), seed=1), args=args, processing_class=tokenizer,
+                         train_dataset=ids, data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    trainer.train()
+    model, total, count = make_llama(len(tokenizer), seed=1), 0.0, 0
+    for row in ids:
+        logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1]
+        total += torch.nn.functional.cross_entropy(logits, torch.tensor(row["input_ids"][1:]), reduction="sum").item()
+        count += len(row["input_ids"]) - 1
+    assert next(e["loss"] for e in trainer.state.log_history if "loss" in e) == pytest.approx(total / count, abs=1e-4)
+    trainer = SFTTrainer(model=make_llama(len(tokenizer)), args=args, processing_class=tokenizer, train_dataset=ids,
+                         data_collator=DataCollatorForSeq2Seq(tokenizer))
+    with pytest.raises(ValueError, match="did not return a loss"):
+        trainer.train()

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DataCollatorWithFlattening
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
 
 from sft.data.boundaries import long_tensor, row_positions, spans, starts
 from sft.data.encode import IGNORE_INDEX
+from sft.errors import SFTError
+from sft.models.families import flattened_batches
 
 
 def example_row(feature: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,3 +126,36 @@ class HostCount:
             targets = labels[:, 1:]
             batch[TRAINED_TARGETS] = (int((targets != IGNORE_INDEX).sum()), *targets.shape)
         return batch
+
+
+def default_collator(tokenizer: PreTrainedTokenizerBase, args: Any) -> Any:
+    """Batches for the recipe's layout; padding never hides a trained EOS (labels are padded with -100).
+
+    Packed rows keep examples apart with restarting position_ids and no attention mask, one batch row per packed
+    row (a [B, L] mask, not one quadratic [B*L]^2 mask), max_length wide under torch_compile; padding-free batches,
+    and packed ones for flash or varlen attention (which need cu_seq_lens), get one flattened row
+    (sft.models.families.flattened_batches).
+    """
+    # A plain TrainingArguments (the Trainer used from Python) has none of sft's layout fields: unpacked batches.
+    packs = bool(getattr(args, "packing", False) or getattr(args, "eval_packing", False))
+    if flattened_batches(getattr(args, "attn_implementation", None), getattr(args, "padding_free", False), packs):
+        return PaddingFreeCollator()
+    if packs:
+        # Under torch_compile every packed batch is max_length wide: one shape, one graph. Padded to the longest row,
+        # a batch of a new width recompiles the blocks mid-run (packed rows are nearly full: the padding is small).
+        width = getattr(args, "max_length", None) if args.torch_compile else None
+        return PackedCollator(tokenizer.pad_token_id, pad_to_multiple_of=width)
+    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
+
+
+def check_tokenized_rows(dataset: Any, name: str) -> None:
+    """Refuse a dataset without the input_ids and labels columns the default collator batches (a torch Dataset or a
+    streamed one whose columns are unknown passes)."""
+    columns = getattr(dataset, "column_names", None)
+    missing = [c for c in ("input_ids", "labels") if c not in columns] if isinstance(columns, list) else []
+    if missing:
+        raise SFTError(
+            f"{name} has no {' or '.join(missing)} column (its columns: {', '.join(columns) or 'none'}): SFTTrainer "
+            "trains tokenized rows, input_ids and labels (-100 where a token is not trained). Tokenize raw rows with "
+            "sft.build_datasets(sft.load_recipe({'dataset': FILE, 'model_name_or_path': MODEL})), add labels (a copy "
+            "of input_ids trains every token), or pass a data_collator that makes them.")

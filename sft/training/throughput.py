@@ -28,8 +28,9 @@ class ThroughputLog:
         mask = inputs.get("attention_mask")
         self.window_tokens += (mask.sum() if mask is not None
                                else inputs["input_ids"].numel() - packed_padding(inputs, self.pad_token_id))
-        if "labels" in inputs:
-            self.pending_trained += (inputs["labels"] != IGNORE_INDEX).sum()
+        labels = inputs.get("labels")
+        if isinstance(labels, torch.Tensor):  # a user's collator may give labels None (DataCollatorForSeq2Seq)
+            self.pending_trained += (labels != IGNORE_INDEX).sum()
 
     def add_to(self, logs: dict[str, float], reduce: Reduce = lambda t: t) -> dict[str, float]:
         """Training logs (those with a loss) plus tokens_per_second and trained_tokens of all processes; starts a

@@ -14,7 +14,6 @@ from peft import PeftModel
 from torch import nn
 from torch.utils.data import IterableDataset, SequentialSampler
 from transformers import (
-    DataCollatorForSeq2Seq,
     EarlyStoppingCallback,
     PreTrainedTokenizerBase,
     Seq2SeqTrainer,
@@ -25,11 +24,9 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.trainer_pt_utils import nested_gather
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
-from sft.data.collators import TRAINED_TARGETS, HostCount, PackedCollator, PaddingFreeCollator
-from sft.data.encode import IGNORE_INDEX
+from sft.data.collators import TRAINED_TARGETS, HostCount, PaddingFreeCollator, check_tokenized_rows, default_collator
 from sft.evaluation.predict import GenerationEval
 from sft.models.compilation import compile_blocks, repeated_blocks, set_activation_memory_budget
-from sft.models.families import flattened_batches
 from sft.training import checkpoints, sampling
 from sft.training.checkpoints import LOSS_KEY, RESUME_KEYS, CheckpointStaging, resume_facts
 from sft.training.divergence import DivergenceGuard
@@ -38,26 +35,6 @@ from sft.training.masters import loaded_in_float32, master_weights
 from sft.training.neftune import NEFTune
 from sft.training.signals import StopOnSignal
 from sft.training.throughput import STATE_KEY, ThroughputLog
-
-
-def default_collator(tokenizer: PreTrainedTokenizerBase, args: Any) -> Any:
-    """Batches for the recipe's layout; padding never hides a trained EOS (labels are padded with -100).
-
-    Packed rows keep examples apart with restarting position_ids and no attention mask, one batch row per packed
-    row (a [B, L] mask, not one quadratic [B*L]^2 mask), max_length wide under torch_compile; padding-free batches,
-    and packed ones for flash or varlen attention (which need cu_seq_lens), get one flattened row
-    (sft.models.families.flattened_batches).
-    """
-    # A plain TrainingArguments (the Trainer used from Python) has none of sft's layout fields: unpacked batches.
-    packs = bool(getattr(args, "packing", False) or getattr(args, "eval_packing", False))
-    if flattened_batches(getattr(args, "attn_implementation", None), getattr(args, "padding_free", False), packs):
-        return PaddingFreeCollator()
-    if packs:
-        # Under torch_compile every packed batch is max_length wide: one shape, one graph. Padded to the longest row,
-        # a batch of a new width recompiles the blocks mid-run (packed rows are nearly full: the padding is small).
-        width = getattr(args, "max_length", None) if args.torch_compile else None
-        return PackedCollator(tokenizer.pad_token_id, pad_to_multiple_of=width)
-    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
 
 
 def compiles_blocks(model: nn.Module | None, args: Any) -> bool:
@@ -69,12 +46,23 @@ def compiles_blocks(model: nn.Module | None, args: Any) -> bool:
     return bool(args.torch_compile and model is not None and not sharded and repeated_blocks(model))
 
 
+def check_trainer_inputs(args: Any, data_collator: Any, kwargs: dict[str, Any]) -> None:
+    """What a Trainer built from Python is given that it would not train as asked: rows sft's collator cannot batch
+    into a loss (raw text: the Trainer's own error, after it dropped every column, suggested remove_unused_columns)."""
+    if data_collator is None:  # a user's collator may make input_ids or labels itself
+        evaluated = kwargs.get("eval_dataset")
+        named = evaluated.items() if isinstance(evaluated, dict) else [("eval_dataset", evaluated)]
+        for name, dataset in [("train_dataset", kwargs.get("train_dataset")), *named]:
+            check_tokenized_rows(dataset, name)
+
+
 class SFTMixin(sampling.EpochSeededSampling):
     """The SFT layer shared by SFTTrainer and Seq2SeqSFTTrainer: the Trainer's hooks, each delegating to the object
     of one concern, built once per trainer."""
 
     def __init__(self, model: nn.Module, args: Any, processing_class: PreTrainedTokenizerBase | None = None,
                  data_collator: Any = None, **kwargs: Any) -> None:
+        check_trainer_inputs(args, data_collator, kwargs)
         if data_collator is None and processing_class is not None:
             data_collator = default_collator(processing_class, args)
         self.compiles_blocks = compiles_blocks(model, args)  # read while the Trainer builds its accelerator
