@@ -4,6 +4,7 @@ predictions.jsonl and metrics in eval_results.json, during training and from `sf
 import json
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from transformers import DataCollatorForSeq2Seq, GenerationConfig
@@ -288,3 +289,22 @@ def test_predictions_written_during_training_are_the_runs(tiny_model_dir, qa_fil
     assert (tmp_path / "predictions.jsonl").is_file()
     assert rundir.foreign_entries(tmp_path) == ([] if in_a_run else ["predictions.jsonl"])
     assert rundir.is_run(tmp_path) == in_a_run
+
+
+def test_a_compute_metrics_generation_would_never_call_is_refused(tokenizer, tmp_path):
+    """With predict_with_generate the Trainer is never handed predictions (sft generates and scores texts itself):
+    a user's compute_metrics was silently not called, its keys missing from the eval results without a word."""
+    from transformers import Seq2SeqTrainingArguments
+
+    from sft import SFTError
+
+    rows = datasets.Dataset.from_list([{"input_ids": [1, 5, 6], "labels": [IGNORE_INDEX, 5, 6]}])
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), predict_with_generate=True, use_cpu=True,
+                                    report_to="none")
+    with pytest.raises(SFTError, match=r"compute_metrics is not called with predict_with_generate.*metrics=\["):
+        SFTTrainer(model=make_llama(len(tokenizer)), args=args, processing_class=tokenizer, eval_dataset=rows,
+                   compute_metrics=lambda prediction: {"mine": 1.0})
+    args.predict_with_generate = False  # on logits it is called, as transformers' Trainer calls it
+    trainer = SFTTrainer(model=make_llama(len(tokenizer)), args=args, processing_class=tokenizer, eval_dataset=rows,
+                         compute_metrics=lambda prediction: {"mine": float(prediction.predictions.shape[1])})
+    assert trainer.evaluate()["eval_mine"] == 3.0

@@ -25,6 +25,7 @@ from transformers.trainer_pt_utils import nested_gather
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from sft.data.collators import TRAINED_TARGETS, HostCount, PaddingFreeCollator, check_tokenized_rows, default_collator
+from sft.errors import SFTError
 from sft.evaluation.predict import GenerationEval
 from sft.models.compilation import compile_blocks, repeated_blocks, set_activation_memory_budget
 from sft.training import checkpoints, sampling
@@ -48,12 +49,18 @@ def compiles_blocks(model: nn.Module | None, args: Any) -> bool:
 
 def check_trainer_inputs(args: Any, data_collator: Any, kwargs: dict[str, Any]) -> None:
     """What a Trainer built from Python is given that it would not train as asked: rows sft's collator cannot batch
-    into a loss (raw text: the Trainer's own error, after it dropped every column, suggested remove_unused_columns)."""
+    into a loss (raw text: the Trainer's own error, after it dropped every column, suggested remove_unused_columns),
+    and a compute_metrics that generation-based evaluation would never call (it scores texts with `metrics`)."""
     if data_collator is None:  # a user's collator may make input_ids or labels itself
         evaluated = kwargs.get("eval_dataset")
         named = evaluated.items() if isinstance(evaluated, dict) else [("eval_dataset", evaluated)]
         for name, dataset in [("train_dataset", kwargs.get("train_dataset")), *named]:
             check_tokenized_rows(dataset, name)
+    if getattr(args, "predict_with_generate", False) and kwargs.get("compute_metrics") is not None:
+        raise SFTError("compute_metrics is not called with predict_with_generate: evaluation generates each answer "
+                       "from its prompt and scores the texts with the `metrics` setting (exact_match, rouge, bleu, "
+                       "or 'my_module:score', called as score(predictions, references) on lists of strings). Pass "
+                       "SFTConfig(metrics=[...]) instead, or predict_with_generate=False for compute_metrics on logits.")
 
 
 class SFTMixin(sampling.EpochSeededSampling):
