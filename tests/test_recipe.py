@@ -140,3 +140,14 @@ def test_a_comma_separated_list_reads_the_same_in_a_recipe_and_on_the_command_li
     assert from_recipe.lora_target_modules == from_flags.lora_target_modules == ["q_proj", "v_proj"]
     path.write_text("metrics: rouge\n")
     assert load_recipe(path).metrics == ["rouge"]
+
+
+@pytest.mark.parametrize(("source", "flags", "message"), [
+    (["learning_rate", 1e-4], None, "load_recipe takes a recipe file's path, a dict of recipe keys or None, got list"),
+    (5, None, "got int 5"),
+    ({}, "--learning_rate 1e-4", r"flags are a list of strings, e.g. \['--learning_rate', '1e-4'\], not one string")])
+def test_a_recipe_of_another_type_is_an_sft_error(source, flags, message):
+    """From Python, load_recipe(5) raised TypeError ('int' object is not iterable), a list a ValueError from dict(),
+    and flags given as one string "Unexpected argument '-'"."""
+    with pytest.raises(SFTError, match=message):
+        load_recipe(source, flags=flags)

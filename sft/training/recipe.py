@@ -66,6 +66,11 @@ def load_recipe(source: str | Path | dict | None = None, flags: list[str] | None
         flags: command-line style overrides, e.g. ["--learning_rate", "1e-4", "--packing=true"].
         **overrides: Python-side overrides, e.g. learning_rate=1e-4.
     """
+    if source is not None and not isinstance(source, (str, Path, dict)):  # dict() of a list or number: a TypeError
+        raise SFTError(f"load_recipe takes a recipe file's path, a dict of recipe keys or None, got "
+                       f"{type(source).__name__} {source!r:.80}.")
+    if isinstance(flags, str):  # iterated character by character: "Unexpected argument '-'"
+        raise SFTError(f"load_recipe's flags are a list of strings, e.g. {flags.split()!r:.80}, not one string.")
     values = read_recipe_file(source) if isinstance(source, (str, Path)) else dict(source or {})
     origin = str(source) if isinstance(source, (str, Path)) else "recipe"
     values = {key: coerce(key, value, origin) for key, value in values.items()}
