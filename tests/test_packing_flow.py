@@ -89,3 +89,33 @@ def test_bfd_split_truncates_the_eval_data_it_does_not_pack(tmp_path, tiny_model
     assert max(unpacked.dataset["length"]) <= 64
     assert unpacked.truncated_rows + unpacked.dropped_rows == longer > unpacked.dropped_rows
     assert len(unpacked.dataset) + unpacked.dropped_rows == len(packed.dataset)
+
+
+def test_the_trainer_packs_rows_from_build_datasets_as_train_does(tmp_path, tokenizer, tiny_model_dir):
+    """README's Python API: build_datasets(cfg), then sft.SFTTrainer(args=cfg). With packing: true the trainer
+    batched the unpacked rows one example per row (only train() packed): 8 rows where packing makes 4."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from sft import SFTError, SFTTrainer, build_datasets
+    from sft.data.packing import pack_dataset
+
+    from conftest import make_llama, write_json
+
+    rows = [{"instruction": f"Add {i} and {i + 1}.", "output": str(2 * i + 1)} for i in range(8)]
+    config = load_recipe({"model_name_or_path": str(tiny_model_dir), "dataset": str(write_json(tmp_path / "a.json", rows)),
+                          "eval_dataset": str(tmp_path / "a.json"), "packing": True, "max_length": 128,
+                          "output_dir": str(tmp_path / "out"), "use_cpu": True, "report_to": "none"})
+    train_set, eval_set = build_datasets(config, tokenizer)
+    trainer = SFTTrainer(model=make_llama(len(tokenizer)), args=config, processing_class=tokenizer,
+                         train_dataset=train_set, eval_dataset=eval_set)
+    expected = pack_dataset(train_set, 128, seed=config.seed)
+    assert len(trainer.train_dataset) == len(expected) == 4
+    assert trainer.train_dataset["input_ids"] == expected["input_ids"]
+    assert trainer.train_dataset["position_ids"] == expected["position_ids"]
+    assert trainer.eval_dataset["input_ids"] == expected["input_ids"]  # eval_packing follows packing
+    again = SFTTrainer(model=make_llama(len(tokenizer)), args=config, processing_class=tokenizer, train_dataset=expected)
+    assert again.train_dataset is expected  # packed already (as train() passes them): kept
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=len(tokenizer), d_model=16, d_ff=32, num_layers=1, num_heads=2,
+                                             d_kv=8, decoder_start_token_id=tokenizer.pad_token_id))
+    with pytest.raises(SFTError, match="packing and padding_free need a decoder-only model"):
+        SFTTrainer(model=t5, args=config, processing_class=tokenizer, train_dataset=train_set)

@@ -9,6 +9,7 @@ implementations that holds for is sft.models.families.check_packing_supported's.
 """
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import datasets
 import numpy as np
@@ -153,3 +154,12 @@ def pack_dataset_with_stats(ds: datasets.Dataset, max_length: int, strategy: str
 def pack_dataset(ds: datasets.Dataset, max_length: int, strategy: str = "bfd", seed: int = 0) -> datasets.Dataset:
     """Pack a tokenized dataset into rows of at most max_length tokens (see pack_dataset_with_stats)."""
     return pack_dataset_with_stats(ds, max_length, strategy, seed)[0]
+
+
+def packed_as_asked(dataset: Any, args: Any, train: bool) -> Any:
+    """`dataset` packed as `args` ask (SFTConfig packing for training, eval_packing for evaluation), unless it is
+    packed already (position_ids: sft.train() packs before it builds the Trainer) or not a datasets.Dataset."""
+    asked = getattr(args, "packing", False) if train else getattr(args, "packs_eval", False)
+    if not asked or not isinstance(dataset, datasets.Dataset) or "position_ids" in dataset.column_names:
+        return dataset
+    return pack_dataset(dataset, args.max_length, args.packing_strategy, args.seed)

@@ -24,13 +24,13 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.trainer_pt_utils import nested_gather
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
-from sft.data.collators import TRAINED_TARGETS, HostCount, PaddingFreeCollator, check_tokenized_rows, default_collator
-from sft.errors import SFTError
+from sft.data.collators import TRAINED_TARGETS, HostCount, PaddingFreeCollator, default_collator
 from sft.evaluation.predict import GenerationEval
 from sft.models.compilation import compile_blocks, repeated_blocks, set_activation_memory_budget
 from sft.training import checkpoints, sampling
 from sft.training.checkpoints import LOSS_KEY, RESUME_KEYS, CheckpointStaging, resume_facts
 from sft.training.divergence import DivergenceGuard
+from sft.training.inputs import trainer_datasets
 from sft.training.loss import EvalTokenSums, TokenLoss
 from sft.training.masters import loaded_in_float32, master_weights
 from sft.training.neftune import NEFTune
@@ -47,35 +47,22 @@ def compiles_blocks(model: nn.Module | None, args: Any) -> bool:
     return bool(args.torch_compile and model is not None and not sharded and repeated_blocks(model))
 
 
-def check_trainer_inputs(args: Any, data_collator: Any, kwargs: dict[str, Any]) -> None:
-    """What a Trainer built from Python is given that it would not train as asked: rows sft's collator cannot batch
-    into a loss (raw text: the Trainer's own error, after it dropped every column, suggested remove_unused_columns),
-    and a compute_metrics that generation-based evaluation would never call (it scores texts with `metrics`)."""
-    if data_collator is None:  # a user's collator may make input_ids or labels itself
-        evaluated = kwargs.get("eval_dataset")
-        named = evaluated.items() if isinstance(evaluated, dict) else [("eval_dataset", evaluated)]
-        for name, dataset in [("train_dataset", kwargs.get("train_dataset")), *named]:
-            check_tokenized_rows(dataset, name)
-    if getattr(args, "predict_with_generate", False) and kwargs.get("compute_metrics") is not None:
-        raise SFTError("compute_metrics is not called with predict_with_generate: evaluation generates each answer "
-                       "from its prompt and scores the texts with the `metrics` setting (exact_match, rouge, bleu, "
-                       "or 'my_module:score', called as score(predictions, references) on lists of strings). Pass "
-                       "SFTConfig(metrics=[...]) instead, or predict_with_generate=False for compute_metrics on logits.")
-
-
 class SFTMixin(sampling.EpochSeededSampling):
     """The SFT layer shared by SFTTrainer and Seq2SeqSFTTrainer: the Trainer's hooks, each delegating to the object
     of one concern, built once per trainer."""
 
     def __init__(self, model: nn.Module, args: Any, processing_class: PreTrainedTokenizerBase | None = None,
                  data_collator: Any = None, **kwargs: Any) -> None:
-        check_trainer_inputs(args, data_collator, kwargs)
+        unpacked_eval = kwargs.get("eval_dataset")
+        kwargs.update(trainer_datasets(model, args, data_collator, kwargs))
         if data_collator is None and processing_class is not None:
             data_collator = default_collator(processing_class, args)
         self.compiles_blocks = compiles_blocks(model, args)  # read while the Trainer builds its accelerator
         super().__init__(model=model, args=args, processing_class=processing_class,
                          data_collator=data_collator, **kwargs)
         self._init_sft()
+        if self.generation_eval is not None and self.eval_dataset is not unpacked_eval:
+            self.generation_eval.use_offsets_of(unpacked_eval)  # the packed eval set no longer carries them
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         """The Trainer's accelerator arguments; where sft compiles the blocks, accelerate compiles nothing."""
