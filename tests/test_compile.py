@@ -18,6 +18,7 @@ from torch import nn
 from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration, Trainer
 from transformers.trainer_pt_utils import LabelSmoother
 
+import sft.data.collators
 import sft.training.loss
 import sft.training.trainer
 from sft import SFTConfig, SFTTrainer
@@ -156,8 +157,8 @@ def test_packed_batches_under_torch_compile_are_one_shape_and_one_graph(tmp_path
     # negative control: padded to each batch's longest row (two widths), the second batch recompiles the blocks
     counted_compile.update(graphs=0, runs=0)
     torch._dynamo.reset()
-    collator = sft.training.trainer.PackedCollator
-    monkeypatch.setattr(sft.training.trainer, "PackedCollator", lambda pad, pad_to_multiple_of: collator(pad))
+    collator = sft.data.collators.PackedCollator
+    monkeypatch.setattr(sft.data.collators, "PackedCollator", lambda pad, pad_to_multiple_of: collator(pad))
     assert packed_graphs(tmp_path / "longest", tokenizer, counted_compile) == 2
 
 
