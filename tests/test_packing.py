@@ -368,7 +368,7 @@ def test_flex_attention_packed_rows_equal_alone(family):
     # it sees, does not compile in torch 2.13 (C++ error: `cur_kvSplitSize2` was not declared).
     static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)
 
-    from sft.training.trainer import default_collator
+    from sft.data.collators import default_collator
 
     args = SimpleNamespace(
         packing=True, eval_packing=None, padding_free=False, attn_implementation="flex_attention", torch_compile=False

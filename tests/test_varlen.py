@@ -16,13 +16,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from sft import SFTConfig, SFTTrainer
 from sft.cli.main import main
 from sft.data.boundaries import spans
-from sft.data.collators import PackedCollator, PaddingFreeCollator
+from sft.data.collators import PackedCollator, PaddingFreeCollator, default_collator
 from sft.data.packing import pack_dataset
 from sft.errors import SFTError
 from sft.models import attention
 from sft.models.families import VARLEN, check_packing_supported, flattened_batches
 from sft.models.loading import load_model
-from sft.training.trainer import default_collator
 
 from conftest import REPO, make_llama
 

@@ -9,8 +9,8 @@ from torch import nn
 from sft.check.prove.bench import Bench, exact_mode, no_dropout, weights
 from sft.check.prove.result import Proof
 from sft.data.boundaries import spans
+from sft.data.collators import default_collator
 from sft.data.encode import IGNORE_INDEX
-from sft.training.trainer import default_collator
 
 EXAMPLES = 8  # examples packed (or padded) together for the packing proof
 TOLERANCE = 1e-5  # fp32
