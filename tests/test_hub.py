@@ -125,3 +125,31 @@ def test_a_hub_dataset_is_read_from_the_cache_only_when_unreachable(online, monk
     assert "Point `dataset` at a local file or folder" in str(caught.value)
     assert not any("Retrying" in r.getMessage() for r in caplog.records)
     assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == (False, False)  # restored
+
+
+@pytest.mark.parametrize("mode", ["offline", "unreachable"])
+def test_push_to_hub_without_a_hub_is_refused_before_any_work(mode, online, monkeypatch, tmp_path, tiny_model_dir,
+                                                               capsys):
+    """push_to_hub with the Hub unreachable: the Trainer creates the repository when it is built, so the run used to
+    tokenize the data and load the model, then die with huggingface_hub's OfflineModeIsEnabled traceback (exit 1).
+    Now exit 2 before any data is read, naming the repository and the way to upload later; the token is not said."""
+    from sft.cli.main import main
+
+    if mode == "offline":
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    else:
+        use_session(monkeypatch, FakeSession(ConnectionError("Connection refused")))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    tokenized = []
+    monkeypatch.setattr("sft.training.flows.prepare_splits", lambda *args: tokenized.append(args))
+    out, recipe = tmp_path / "run", tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset: {REPO / 'data' / 'alpaca_sample.json'}\n"
+                      f"output_dir: {out}\nreport_to: none\npush_to_hub: true\nhub_model_id: me/tiny-run\n")
+    code = main(["train", str(recipe), "--hub_token", "hf_NotToBeSaid123"])
+    err = capsys.readouterr().err
+    assert code == 2 and tokenized == [] and not out.exists()
+    why = "HF_HUB_OFFLINE is set" if mode == "offline" else f"{huggingface_hub.constants.ENDPOINT} does not answer"
+    assert (f"push_to_hub: true, but the Hugging Face Hub cannot be reached ({why}), so the run could not create or "
+            f"push to me/tiny-run. Train with --push_to_hub false and upload the finished run later with `hf upload "
+            f"me/tiny-run {out}`") in err
+    assert "Traceback" not in err and "hf_NotToBeSaid123" not in err

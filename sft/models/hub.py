@@ -55,3 +55,17 @@ def hub_offline() -> Iterator[None]:
         yield
     finally:
         datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+
+
+def push_problem(push_to_hub: bool, hub_model_id: str | None, output_dir: str) -> str | None:
+    """Why a run asking for push_to_hub could not push, or None. Decided before any data or model is loaded: the
+    Trainer creates the repository when it is built, after tokenizing and loading the model, and without a Hub that
+    failed there with a traceback (exit 1); a Hub lost later failed the final save, after all of training."""
+    if not push_to_hub or hub_reachable():
+        return None
+    repo = hub_model_id or Path(output_dir).absolute().name  # the repository the Trainer would create
+    why = ("HF_HUB_OFFLINE is set" if huggingface_hub.constants.is_offline_mode()
+           else f"{huggingface_hub.constants.ENDPOINT} does not answer")
+    return (f"push_to_hub: true, but the Hugging Face Hub cannot be reached ({why}), so the run could not create or "
+            f"push to {repo}. Train with --push_to_hub false and upload the finished run later with "
+            f"`hf upload {repo} {output_dir}`, or run where the Hub is reachable.")

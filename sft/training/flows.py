@@ -26,6 +26,7 @@ from sft.evaluation.metrics import check_best_metric, eval_keys, resolve_metrics
 from sft.evaluation.predict import read_generation_config
 from sft.models.adapters import check_adapter_training
 from sft.models.families import check_packing_supported, flattened_batches
+from sft.models.hub import push_problem
 from sft.models.loading import check_attention, check_loadable, load_model, load_model_config
 from sft.models.quantization import check_quantized_training
 from sft.training.presets import (
@@ -145,9 +146,9 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     """Fail fast on what needs no data or model: GPU-only flags, a sharded run without a launcher, an adapter folder
     as the model, metric names, max_length, the output folder, the resume target; returns the recipe with max_length
     fitted to the model (fitted_max_length)."""
-    problems = config.hardware_problems()
-    if problems:
-        raise SFTError(problems[0])
+    problems = [*config.hardware_problems(), push_problem(config.push_to_hub, config.hub_model_id, config.output_dir)]
+    if any(problems):
+        raise SFTError(next(filter(None, problems)))
     check_launcher(config)
     check_optimizer(config)
     check_quantized_training(config)
