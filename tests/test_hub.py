@@ -153,3 +153,21 @@ def test_push_to_hub_without_a_hub_is_refused_before_any_work(mode, online, monk
             f"push to me/tiny-run. Train with --push_to_hub false and upload the finished run later with `hf upload "
             f"me/tiny-run {out}`") in err
     assert "Traceback" not in err and "hf_NotToBeSaid123" not in err
+
+
+def test_sft_eval_of_a_pushing_recipe_creates_no_repository(offline, tmp_path, tiny_model_dir, capsys):
+    """`sft eval RUN/recipe.yaml` of a run that pushed: eval uploads nothing, yet the Trainer it builds created the
+    Hub repository (with no Hub: OfflineModeIsEnabled traceback, exit 1). Now it evaluates, exit 0."""
+    import json
+
+    from sft.cli.main import main
+
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"instruction": f"Say {w}", "output": w} for w in ("hi", "yo", "hey", "ho")]))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset: {data}\neval_split_size: 2\nreport_to: none\n"
+                      f"output_dir: {tmp_path / 'eval'}\npush_to_hub: true\nhub_model_id: me/tiny-run\nuse_cpu: true\n")
+    code = main(["eval", str(recipe)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    assert "eval_loss" in json.loads((tmp_path / "eval" / "eval_results.json").read_text())

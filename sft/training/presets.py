@@ -372,12 +372,18 @@ def evaluation_config(config: SFTConfig) -> SFTConfig:
     """The recipe as `sft eval` runs it. transformers evaluates without training under DeepSpeed only with ZeRO-3
     (its ZeRO inference; below stage 3 it stops with "ZeRO inference only makes sense with ZeRO Stage 3"). ZeRO-0/1/2
     keep whole weights on every process and shard only what training needs (gradients, optimizer states), so their
-    eval runs as plain data parallelism, with the same result; the recipe keeps ZeRO-3 and FSDP as they are."""
+    eval runs as plain data parallelism, with the same result; the recipe keeps ZeRO-3 and FSDP as they are.
+    push_to_hub is off: eval uploads nothing, yet the Trainer creates the Hub repository when built (without a Hub, a
+    traceback for `sft eval RUN/recipe.yaml` of a pushing run)."""
     stage = zero_stage(config.deepspeed)
-    if not config.deepspeed or stage == 3:
+    changes = {"deepspeed": None, "distributed": None} if config.deepspeed and stage != 3 else {}
+    if config.push_to_hub:
+        changes["push_to_hub"] = False
+    if not changes:
         return config
-    log.info("sft eval: DeepSpeed ZeRO-%s keeps whole weights on every process; evaluating without DeepSpeed.", stage)
-    resolved = dataclasses.replace(config, deepspeed=None, distributed=None)  # TrainingArguments set up again
+    if "deepspeed" in changes:
+        log.info("sft eval: DeepSpeed ZeRO-%s keeps whole weights on each process; evaluating without it.", stage)
+    resolved = dataclasses.replace(config, **changes)  # TrainingArguments set up again
     resolved.recipe_keys, resolved.cpu_by_default = config.recipe_keys, config.cpu_by_default  # not init fields
     return resolved
 
