@@ -28,7 +28,7 @@ from sft.models.architectures import model_architecture
 from sft.models.attention import VARLEN, attention_problem
 from sft.models.attention import register as register_varlen
 from sft.models.families import non_text_towers
-from sft.models.hub import local_files_only
+from sft.models.hub import local_files_only, model_hub_kwargs
 from sft.models.quantization import DTYPES, quantized_loading, run_quantization
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     name = base_model(config)
     kwargs = dict(revision=config.revision, cache_dir=config.cache_dir, trust_remote_code=config.trust_remote_code,
                   use_safetensors=None if config.allow_pickle else True, dtype=DTYPES.get(config.dtype, "auto"),
-                  local_files_only=local_files_only(name))
+                  **model_hub_kwargs(name))
     if config.attn_implementation:
         kwargs["attn_implementation"] = attention(config)
     kwargs.update(quantized_loading(config))
@@ -208,7 +208,7 @@ def load_model_config(config: SFTConfig, name: str | None = None) -> PretrainedC
     try:
         return AutoConfig.from_pretrained(name, revision=config.revision, cache_dir=config.cache_dir,
                                           trust_remote_code=config.trust_remote_code,
-                                          local_files_only=local_files_only(name))
+                                          **model_hub_kwargs(name))
     except (OSError, ValueError) as err:
         raise SFTError(f"Could not read the config of {name}: {str(err).splitlines()[0]}") from None
 

@@ -22,7 +22,7 @@ from sft.models.adapters import (
     keep_cpu_4bit_layers_differentiable,
     load_saved_adapter,
 )
-from sft.models.hub import local_files_only
+from sft.models.hub import local_files_only, model_hub_kwargs
 from sft.models.loading import auto_model_class, check_model_reference, fit_embeddings
 from sft.models.quantization import DTYPES, is_quantized, run_quantization
 
@@ -138,7 +138,7 @@ def load_pretrained(name: str, dtype: str, device: str, quantization: dict | Non
         auto = auto_model_class(AutoConfig.from_pretrained(name, local_files_only=local_files_only(name)))
         # a quantized base loads in the dtype its run loaded it in (quantization["dtype"]): it decides the 4-bit codes
         settings = {"dtype": DTYPES.get(dtype, "auto"), **(quantization or {})}
-        return auto.from_pretrained(name, device_map={"": device}, local_files_only=local_files_only(name), **settings)
+        return auto.from_pretrained(name, device_map={"": device}, **model_hub_kwargs(name), **settings)
     except (OSError, ValueError) as err:
         # A ValueError is a model transformers cannot build (e.g. an unknown architecture): no path or network check
         # would fix it, so it gets no such hint.
