@@ -208,7 +208,7 @@ def load_model_config(config: SFTConfig, name: str | None = None) -> PretrainedC
     try:
         return AutoConfig.from_pretrained(name, revision=config.revision, cache_dir=config.cache_dir,
                                           trust_remote_code=config.trust_remote_code,
-                                          **model_hub_kwargs(name))
+                                          local_files_only=local_files_only(name))
     except (OSError, ValueError) as err:
         raise SFTError(f"Could not read the config of {name}: {str(err).splitlines()[0]}") from None
 
