@@ -183,15 +183,7 @@ def test_a_cached_hub_model_loads_without_asking_the_hub(online, monkeypatch, tm
     from sft.models.saved import load_pretrained
     from sft.training.recipe import load_recipe
 
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--sft-tests--tiny"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for file in tiny_model_dir.iterdir():
-        (snapshot / file.name).write_bytes(file.read_bytes())
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    cache_model(monkeypatch, tmp_path, tiny_model_dir, "sft-tests/tiny")
     use_session(monkeypatch, FakeSession(ConnectionError("Connection refused")))
     asked = []
 
@@ -204,3 +196,43 @@ def test_a_cached_hub_model_loads_without_asking_the_hub(online, monkeypatch, tm
     trained = load_model(load_recipe({"model_name_or_path": "sft-tests/tiny", "use_cpu": True}), tokenizer)
     assert generated.name_or_path == trained.name_or_path == "sft-tests/tiny"
     assert asked == []
+
+
+def cache_model(monkeypatch, tmp_path, folder, repo_id: str) -> None:
+    """`folder`'s files as Hub model `repo_id` in an HF cache (huggingface_hub's layout) under tmp_path, in use."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in folder.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+
+@pytest.mark.parametrize("base", ["local", "hub"])
+def test_the_model_card_is_valid_hub_metadata(base, offline, monkeypatch, tmp_path, tiny_model_dir):
+    """The card's metadata through huggingface_hub's own parser: base_model and datasets only as Hub ids (a local
+    base was written as `base_model: /tmp/...`, which the Hub refuses and no reader can open), a pipeline_tag (none
+    was written), and no machine-local path anywhere in the card."""
+    from huggingface_hub import ModelCard
+
+    from sft.training.recipe import load_recipe
+    from sft.training.report import write_model_card
+
+    cache_model(monkeypatch, tmp_path, tiny_model_dir, "sft-tests/tiny")
+    model = str(tiny_model_dir) if base == "local" else "sft-tests/tiny"
+    data = tmp_path / "private" / "rows.jsonl"
+    config = load_recipe({"model_name_or_path": model, "use_peft": True, "output_dir": str(tmp_path / "run"),
+                          "dataset": [str(data), {"path": "tatsu-lab/alpaca", "split": "train[:10]"}]})
+    card = tmp_path / "README.md"
+    write_model_card(config, {"train_loss": 1.5}, {"rows": 10, "length_p95": 98.04999999999998}, card,
+                     f"{data}: alpaca; tatsu-lab/alpaca: alpaca")
+    metadata = ModelCard.load(card).data.to_dict()
+    assert metadata == {"library_name": "peft", "tags": ["sft", "lora"], "datasets": ["tatsu-lab/alpaca"],
+                        "pipeline_tag": "text-generation", **({"base_model": model} if base == "hub" else {})}
+    text = card.read_text()
+    assert str(tmp_path) not in text and str(tiny_model_dir) not in text
+    assert "- dataset: `rows.jsonl`, `tatsu-lab/alpaca`" in text and "- format: rows.jsonl: alpaca;" in text
+    assert "- length p95: 98.05" in text
