@@ -236,3 +236,54 @@ def test_the_model_card_is_valid_hub_metadata(base, offline, monkeypatch, tmp_pa
     assert str(tmp_path) not in text and str(tiny_model_dir) not in text
     assert "- dataset: `rows.jsonl`, `tatsu-lab/alpaca`" in text and "- format: rows.jsonl: alpaca;" in text
     assert "- length p95: 98.05" in text
+
+
+def test_a_pushing_run_stopped_after_a_checkpoint_can_resume(online, monkeypatch, tmp_path, tiny_model_dir):
+    """push_to_hub's checkpoint push (hub_strategy every_save) copies the model, tokenizer and training_args.bin into
+    output_dir. Unrecorded, a run killed after that held 7 files counted as the user's: its resume was refused
+    ("holds files sft did not write"). A fake Hub API stands in for the Hub; nothing is sent."""
+    import json
+    import types
+
+    import transformers.trainer
+
+    from sft import rundir
+    from sft.training.flows import check_before_loading, train
+    from sft.training.recipe import load_recipe
+    from sft.training.trainer import SFTTrainer
+
+    uploads = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            return types.SimpleNamespace(repo_id=repo_id)
+
+        def upload_folder(self, **kwargs):
+            uploads.append(kwargs["commit_message"])
+            return types.SimpleNamespace(done=lambda: True)
+
+    class Killed(Exception):
+        pass
+
+    use_session(monkeypatch, FakeSession())  # the Hub answers the probe
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeApi())
+    step = SFTTrainer.training_step
+
+    def training_step(self, *args, **kwargs):
+        if self.state.global_step == 3:  # after the checkpoint of step 2 and its push
+            raise Killed
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(SFTTrainer, "training_step", training_step)
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"instruction": f"Say {i}", "output": str(i)} for i in range(16)]))
+    out = tmp_path / "run"
+    settings = {"model_name_or_path": str(tiny_model_dir), "dataset": str(data), "output_dir": str(out),
+                "max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 2, "report_to": "none",
+                "push_to_hub": True, "hub_model_id": "me/tiny-run", "use_cpu": True}
+    with pytest.raises(Killed):
+        train(load_recipe(settings))
+    assert uploads == ["Training in progress, step 2"] and (out / "model.safetensors").is_file()
+    assert rundir.foreign_entries(out) == []
+    check_before_loading(load_recipe({**settings, "resume_from_checkpoint": "true"}), True)  # not refused
+    rundir.release(out)

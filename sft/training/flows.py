@@ -81,6 +81,8 @@ def run_training(config: SFTConfig) -> Path:
     output_dir = prepare_output_dir(config, resume, trainer)
     if trainer.is_world_process_zero():
         write_run_facts(config, stats, output_dir)
+        if config.push_to_hub:
+            trainer.add_callback(ClaimHubCopies(output_dir))
     result = trainer.train(resume_from_checkpoint=resume)
     if trainer.is_world_process_zero():
         rundir.claim(output_dir)  # checkpoints so far are sft's, however the run ends
@@ -102,6 +104,19 @@ def run_training(config: SFTConfig) -> Path:
         if trainer.is_world_process_zero():
             rundir.claim(output_dir)
     return output_dir
+
+
+class ClaimHubCopies(transformers.TrainerCallback):
+    """Record, after each checkpoint, the files push_to_hub's checkpoint push copied into output_dir (the model,
+    tokenizer, training_args.bin): unrecorded, a push_to_hub run killed after its first checkpoint left 7 files
+    counted as the user's, and its resume (or --overwrite_output_dir) was refused."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_save(self, args: SFTConfig, state: transformers.TrainerState, control: transformers.TrainerControl,
+                **kwargs: object) -> None:
+        rundir.claim(self.out)
 
 
 def warn_eval_rows(eval_data: Prepared | None, max_length: int) -> None:
