@@ -1,10 +1,12 @@
 """An unreachable Hub is found once per process, and every lookup of a Hub id then reads the HF cache only: no
 huggingface_hub retries (about 23 s and a warning per retry, per file) before the offline answer."""
 
+import fnmatch
 import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
@@ -287,3 +289,44 @@ def test_a_pushing_run_stopped_after_a_checkpoint_can_resume(online, monkeypatch
     assert rundir.foreign_entries(out) == []
     check_before_loading(load_recipe({**settings, "resume_from_checkpoint": "true"}), True)  # not refused
     rundir.release(out)
+
+
+def test_the_final_push_sends_the_finished_run(online, monkeypatch, tmp_path, tiny_model_dir):
+    """The Trainer pushed from save_model, before the final evaluation and sft's model card: the Hub got
+    transformers' generated card (tags generated_from_trainer), no eval_results.json, no loss.png, and the run's lock
+    file. Now the last upload holds the finished folder: sft's card and every result, no lock, no checkpoints."""
+    import json
+    import types
+
+    import transformers.trainer
+
+    use_session(monkeypatch, FakeSession())  # the Hub answers the probe
+    uploads = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            return types.SimpleNamespace(repo_id=repo_id)
+
+        def upload_folder(self, folder_path, commit_message, ignore_patterns, **kwargs):
+            folder = Path(folder_path)
+            sent = sorted(p.name for p in folder.iterdir() if not any(fnmatch.fnmatch(p.name, pattern)
+                                                                       for pattern in ignore_patterns))
+            uploads.append((commit_message, sent, (folder / "README.md").read_text() if "README.md" in sent else ""))
+            return types.SimpleNamespace(done=lambda: True)
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeApi())
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"instruction": f"Say {i}", "output": str(i)} for i in range(16)]))
+    out = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset: {data}\noutput_dir: {out}\nmax_steps: 2\n"
+                      "eval_split_size: 4\nsave_strategy: 'no'\nreport_to: none\npush_to_hub: true\n"
+                      "hub_model_id: me/tiny-run\nuse_cpu: true\n")
+    from sft.cli.main import main
+
+    assert main(["train", str(recipe)]) == 0
+    assert [commit for commit, _, _ in uploads] == ["End of training"]
+    _, sent, card = uploads[0]
+    assert {"README.md", "eval_results.json", "all_results.json", "loss.png", "recipe.yaml", "model.safetensors",
+            "tokenizer.json", "generation_config.json"} <= set(sent) and ".sft_run.lock" not in sent
+    assert card == (out / "README.md").read_text() and "- sft" in card and "generated_from_trainer" not in card

@@ -270,7 +270,8 @@ def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: di
     """Model, tokenizer, results, state, recipe, data stats, loss plot and model card."""
     out = Path(config.output_dir)
     prepare_final_save(trainer)
-    trainer.save_model(str(out))  # an adapter with its generation_config.json (SFTMixin._save), for sft merge
+    # an adapter with its generation_config.json (SFTMixin._save), for sft merge; pushed once all is written (push_run)
+    trainer.save_model(str(out), _internal_call=True)
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
     if trainer.is_world_process_zero():  # the final evaluation can be long: a run killed in it still owns its model
@@ -286,6 +287,19 @@ def save_run(trainer: SFTMixin, config: SFTConfig, stats: DataStats, metrics: di
     write_run_facts(config, stats, out)
     plot_loss(trainer.state.log_history, out / "loss.png")
     write_model_card(config, metrics, stats.as_dict(), out / "README.md", formats)
+    if config.push_to_hub:
+        rundir.claim(out)
+        push_run(trainer, out)
+
+
+def push_run(trainer: SFTMixin, out: Path) -> None:
+    """Upload the finished run: the Trainer's own push (in save_model) went before the final evaluation and sft's
+    model card, so the Hub got transformers' generated card, no eval results and no loss plot; and it sent the lock."""
+    trainer._finish_current_push()  # a checkpoint push still running
+    log.info("Pushing %s to the Hub repository %s", out, trainer.hub_model_id)
+    transformers.trainer.hf_api().upload_folder(
+        repo_id=trainer.hub_model_id, folder_path=str(out), commit_message="End of training",
+        revision=trainer.args.hub_revision, ignore_patterns=["_*", "checkpoint-*", ".staging-*", rundir.LOCK])
 
 
 def write_run_facts(config: SFTConfig, stats: DataStats, out: Path) -> None:
