@@ -198,6 +198,10 @@ def tokenize_rows(source: Source, decided: SourceFormat, raw: datasets.Dataset, 
     )
     # Examples are rendered rows plus the extra ones `history: split` made, counted before any is dropped: a split
     # example with nothing trained is a lost example, not a row that was never made.
+    if len(tokenized) == 0:  # chat rows render one example per trained turn, so none at all: no column either
+        raise SFTError(f"Dataset {source.label}: none of its {len(selected)} rows has a message to train (every "
+                       "assistant message is marked train: false or weight: 0), so there is nothing to learn. Mark "
+                       "the answers to learn with train: true (or drop the marks), or remove the rows.")
     split_rows = column_sum(tokenized, "split")
     examples = trained_examples(tokenized)
     return Tokenized(source, decided, raw, examples, dropped_rows=len(selected) + split_rows - len(examples),
