@@ -6,6 +6,7 @@ import difflib
 import inspect
 import math
 import re
+from pathlib import Path
 
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
@@ -15,7 +16,10 @@ AT_LEAST_ONE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gr
                 "max_length", "lora_r", "max_new_tokens", "generation_num_beams", "generation_max_length",
                 "dataset_num_proc", "save_total_limit", "early_stopping_patience")
 NOT_NEGATIVE = ("learning_rate", "weight_decay", "max_grad_norm", "num_train_epochs", "neftune_noise_alpha",
-                "lora_alpha", "lora_dropout", "eval_split_size", "warmup_steps", "early_stopping_threshold")
+                "lora_alpha", "lora_dropout", "eval_split_size", "warmup_steps", "early_stopping_threshold",
+                "adam_epsilon", "eval_delay")
+# key: a share from 0 up to, not including, 1 (torch's AdamW and cross-entropy refuse others once training starts).
+BELOW_ONE = ("lora_dropout", "adam_beta1", "adam_beta2", "label_smoothing_factor")
 # The adapter's settings: read only when use_peft builds one.
 PEFT_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_dora", "use_rslora",
              "lora_modules_to_save")
@@ -43,8 +47,9 @@ def check_values(config: SFTConfig) -> None:
                        "or max_steps.")
     if not 0 <= config.seed < 2**32:
         raise SFTError(f"Bad value for `seed`: {config.seed}; give a number from 0 to 4294967295.")
-    if config.lora_dropout >= 1:
-        raise SFTError(f"Bad value for `lora_dropout`: {config.lora_dropout}; a dropout probability is below 1.")
+    for key in BELOW_ONE:
+        if not 0 <= getattr(config, key) < 1:
+            raise SFTError(f"Bad value for `{key}`: {getattr(config, key)}; give a number from 0 up to (not including) 1.")
     check_peft_keys(config)
     check_cpu_fp16(config)
     if config.loss_kernel == "liger" and not config.chunked_loss:
@@ -89,6 +94,14 @@ def check_cpu_fp16(config: SFTConfig) -> None:
         raise SFTError("fp16: true cannot run with use_cpu: true: the Trainer has no fp16 autocast on CPU and would "
                        "silently train in fp32. Set fp16: false to train in fp32, or use bf16: true (CPU bf16 "
                        "autocast) instead.")
+
+
+def check_accelerator_config(value: object) -> None:
+    """TrainingArguments reads a string accelerator_config as a JSON file: one that is not there ended in a
+    FileNotFoundError traceback naming neither the key nor what it takes."""
+    if isinstance(value, str) and not Path(value).expanduser().is_file():
+        raise SFTError(f"Bad value for `accelerator_config`: {value!r} is not a file. Give the path of a JSON file of "
+                       "accelerate settings, or the settings themselves, e.g. accelerator_config: {split_batches: true}.")
 
 
 def check_memory_budget(budget: float | None, compiled: bool) -> None:

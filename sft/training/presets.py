@@ -75,6 +75,9 @@ def legacy_fsdp(values: dict) -> dict:
     transformers 5 deprecates these strings; translating them here keeps old command lines working after removal.
     """
     fsdp = values.get("fsdp")
+    if isinstance(fsdp, list) and not all(isinstance(word, str) for word in fsdp):  # transformers calls .upper()
+        raise SFTError(f"fsdp: {fsdp!r} is not a list of FSDP options. Write fsdp: true (or `distributed: fsdp`), or "
+                       "options such as \"full_shard auto_wrap\".")
     if not isinstance(fsdp, str):
         return {}
     words = fsdp.lower().split()

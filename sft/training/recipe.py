@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import difflib
 import enum
+import math
 import types
 import typing
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import yaml
 
 from sft.config.arguments import SFTConfig
-from sft.config.validate import check_best_model_at_end, check_values
+from sft.config.validate import check_accelerator_config, check_best_model_at_end, check_values
 from sft.errors import SFTError
 from sft.training.presets import apply_distributed
 
@@ -247,14 +248,19 @@ def _to_int(value: Any) -> int:
 
 def _to_float(value: Any) -> float:
     # YAML 1.1 reads `1e-4` (no dot) as a string, so numeric strings are accepted here on purpose.
+    number = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
+        number = float(value)
+    elif isinstance(value, str):
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
-    raise ValueError(f"expected a number, got {value!r}")
+    if number is None:
+        raise ValueError(f"expected a number, got {value!r}")
+    if not math.isfinite(number):  # inf steps crashed TrainingArguments (OverflowError); nan or inf betas, eps,
+        raise ValueError(f"expected a finite number, got {value!r}")  # rates train on nothing or NaN
+    return number
 
 
 def _to_str(value: Any) -> str:
@@ -292,6 +298,7 @@ def build_config(values: dict) -> SFTConfig:
         values["metric_for_best_model"] = "loss"  # what early stopping watches unless told (as load_best does)
     values = apply_distributed(values)  # before TrainingArguments, which sets up FSDP/DeepSpeed as it is built
     check_best_model_at_end(values)
+    check_accelerator_config(values.get("accelerator_config"))
     try:
         config = SFTConfig(**values)
     except (ValueError, TypeError) as err:
