@@ -159,6 +159,29 @@ def test_generate_errors_exit_2_with_a_message(tmp_path, capsys):
     assert "neither a model (config.json) nor a LoRA adapter" in capsys.readouterr().err
 
 
+
+def test_an_interrupted_run_is_named_with_its_last_checkpoint(tmp_path, monkeypatch, capsys):
+    """A run stopped before its final save holds only checkpoint-N folders: every verb that loads a model names the
+    last one and how to finish the run, instead of "neither a model nor an adapter" (generate, chat, merge) or
+    transformers' "Unrecognized model ... Should have a `model_type` key" (train, eval, data)."""
+    monkeypatch.chdir(REPO)
+    run = tmp_path / "run"
+    for step in (2, 10):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+    expected = f"{run} holds no final model, only checkpoints: its run stopped before the end. Give its last " \
+               f"checkpoint, {run / 'checkpoint-10'}, or finish the run"
+    recipe = ["recipes/quickstart.yaml", "--model_name_or_path", str(run), "--output_dir", str(tmp_path / "out")]
+    for argv in (["generate", str(run), "--prompt", "hi"], ["merge", str(run), str(tmp_path / "merged")],
+                 ["train", *recipe], ["eval", *recipe]):
+        assert main(argv) == 2, argv
+        assert expected in capsys.readouterr().err, argv
+    assert main(["train", *recipe[:2], str(tmp_path), "--output_dir", str(tmp_path / "out")]) == 2
+    assert f"`model_name_or_path`: {tmp_path} holds neither a model (config.json) nor a LoRA adapter " \
+           "(adapter_config.json); it holds run. Give a folder that save_pretrained wrote" in capsys.readouterr().err
+    assert main(["data", "recipes/quickstart.yaml", "--tokenizer_name_or_path", str(run)]) == 2
+    assert f"`tokenizer_name_or_path`: {run} holds no tokenizer files" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "merged").exists()
+
 QWEN = FIXTURES / "tokenizers" / "qwen2.5-coder-3b-instruct"
 REASONING = {"qwen3": ("<think>\nThe user wants 2+2.\n</think>\n\nIt is 4.", "assistant\nIt is 4.<|im_end|>"),
              # R1's generation prompt opens the think block, so the reply starts inside it

@@ -14,6 +14,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+from transformers.trainer_utils import get_last_checkpoint
 
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
@@ -36,6 +37,7 @@ EMBEDDING_MULTIPLE = 64  # padded vocab sizes keep matmuls on fast tensor-core s
 # More new rows than a chat template's or a user's few added tokens: the tokenizer belongs to another vocabulary.
 FOREIGN_TOKENIZER_ROWS = 256
 FOREIGN_TOKENIZER_FRACTION = 0.5  # fewer tokens than this share of the rows: another family's (Llama 2's on Llama 3)
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 def looks_local(name: str) -> bool:
@@ -51,7 +53,33 @@ def check_model_reference(name: str | None, key: str = "model_name_or_path") -> 
         raise SFTError(f"`{key}` is not set: give a Hub id (e.g. Qwen/Qwen2.5-0.5B) or a local model folder.")
     if looks_local(name) and not Path(name).expanduser().exists():
         raise SFTError(f"`{key}`: {name} does not exist. Give an existing folder or a Hub id like org/name.")
+    problem = not_a_model_folder(Path(name).expanduser(), key) if looks_local(name) else None
+    if problem:  # transformers' own words here were "Unrecognized model ... Should have a `model_type` key"
+        raise SFTError(f"`{key}`: {problem}")
     return str(Path(name).expanduser()) if name.startswith("~") else name
+
+
+def not_a_model_folder(folder: Path, key: str = "model_name_or_path") -> str | None:
+    """Why local `folder` holds no model (for `key` tokenizer_name_or_path: no tokenizer) and what to give instead,
+    or None when it does: an interrupted run (checkpoints only), an empty folder, a tokenizer-only folder, a file."""
+    if not folder.is_dir():
+        return f"{folder} is a file; give the folder that holds the model (its config.json and weights)."
+    if key == "tokenizer_name_or_path":
+        if any((folder / file).is_file() for file in TOKENIZER_FILES):
+            return None
+        return f"{folder} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...). Give a model's folder."
+    if is_adapter_folder(folder) or (folder / "config.json").is_file():
+        return None
+    last = get_last_checkpoint(str(folder))
+    if last:
+        return (f"{folder} holds no final model, only checkpoints: its run stopped before the end. Give its last "
+                f"checkpoint, {last}, or finish the run: sft train RECIPE --output_dir {folder} "
+                "--resume_from_checkpoint true.")
+    held = sorted(path.name for path in folder.iterdir())
+    contents = f"it holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''}" if held else "it is empty"
+    return (f"{folder} holds neither a model (config.json) nor a LoRA adapter (adapter_config.json); {contents}. "
+            "Give a folder that save_pretrained wrote (config.json and model.safetensors), or a run's output_dir or "
+            "one of its checkpoint-N folders.")
 
 
 def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:

@@ -23,12 +23,17 @@ from sft.models.adapters import (
     load_saved_adapter,
 )
 from sft.models.hub import local_files_only, model_hub_kwargs
-from sft.models.loading import auto_model_class, check_model_reference, fit_embeddings
+from sft.models.loading import (
+    TOKENIZER_FILES,
+    auto_model_class,
+    check_model_reference,
+    fit_embeddings,
+    not_a_model_folder,
+)
 from sft.models.quantization import DTYPES, is_quantized, run_quantization
 
 log = logging.getLogger(__name__)
 # What a saved tokenizer consists of: any one of these (fast, sentencepiece or BPE files) lets AutoTokenizer try
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 def load_for_inference(path: str | Path, dtype: str = "auto", base_model: str | None = None,
@@ -62,8 +67,9 @@ def check_folder(path: str | Path) -> Path:
         raise SFTError(f"{path} is an FSDP checkpoint: its weights are shards, one per rank, which only resuming the "
                        "run reads. Give the run's output_dir (its final save is whole), or put the shards together "
                        f"first: accelerate merge-weights {folder / 'pytorch_model_fsdp_0'} OUT.")
-    if not is_adapter_folder(folder) and not (folder / "config.json").is_file():
-        raise SFTError(f"{path} holds neither a model (config.json) nor a LoRA adapter ({ADAPTER_CONFIG}).")
+    problem = not_a_model_folder(folder)
+    if problem:
+        raise SFTError(problem)
     return folder
 
 
