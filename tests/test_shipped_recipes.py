@@ -39,3 +39,18 @@ def test_an_unknown_recipe_is_one_clear_error(tmp_path, monkeypatch, reference):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SFTError, match="does not exist. Pass the path to a .yaml recipe, or the name of a shipped"):
         load_recipe(reference)
+
+
+@pytest.mark.parametrize("where", ["missing", "empty", "file"])
+def test_a_recipes_folder_without_recipes_is_an_error_not_an_empty_table(tmp_path, capsys, where):
+    """`sft recipes --dir TYPO` printed a header-only table and exited 0."""
+    from sft.cli.main import main
+
+    folder = tmp_path / where
+    if where == "empty":
+        folder.mkdir()
+    elif where == "file":
+        folder.write_text("x\n")
+    said = {"missing": "does not exist", "empty": "holds no .yaml recipes", "file": "is not a folder"}[where]
+    assert main(["recipes", "--dir", str(folder)]) == 2
+    assert f"sft: error: Recipes folder {folder} {said}. Give --dir the folder of your recipes" in capsys.readouterr().err

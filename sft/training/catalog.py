@@ -5,6 +5,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from sft.errors import SFTError
+
 HEADER_FIELDS = ("Data", "Hardware", "Memory", "Launch")
 
 
@@ -92,6 +94,11 @@ def list_recipes(root: Path | None = None) -> list[RecipeInfo]:
     """Every training recipe under `root` (launcher presets in accelerate/ and deepspeed/ excluded)."""
     root = root or default_root()
     paths = sorted(p for p in root.rglob("*.yaml") if p.relative_to(root).parts[0] not in ("accelerate", "deepspeed"))
+    if not paths:  # `sft recipes --dir typo` printed an empty table and exit 0, as if no recipe existed anywhere
+        where = "does not exist" if not root.exists() else "is not a folder" if not root.is_dir() else \
+            "holds no .yaml recipes"
+        raise SFTError(f"Recipes folder {root} {where}. Give --dir the folder of your recipes, or leave --dir out "
+                       "for the shipped ones.")
     return [read_header(p, root) for p in paths]
 
 
