@@ -282,6 +282,8 @@ def run_check(args: argparse.Namespace, rest: list[str]) -> int:
 
         print(check_recipe(args.recipe, flags=rest).table())
         return 0
+    if args.rows < 1:  # 0 ran every proof (a minute) to fail the mask proof on no row
+        raise SFTError(f"--rows must be at least 1, got {args.rows}: it is how many rows the mask proof checks.")
     import json
 
     from sft.check.prove import prove_recipe
