@@ -235,6 +235,9 @@ def _check_file(path: Path, kind: str) -> list[dict] | None:
             raise SFTError(f"Dataset file {path}, line {blank} is blank: sft reads a .txt file as one example per line, "
                            "and a blank line is an empty example. Remove the blank lines (one document per line), or "
                            "save documents that span lines as JSON Lines, one {\"text\": ...} per document.")
+    # A header and no row: `datasets` said `Instruction "train" corresponds to no data!`
+    if kind in ("csv", "tsv") and len(text.strip().splitlines()) == 1:
+        raise SFTError(f"Dataset file {path} holds a header line and no rows. Add rows or remove it from the recipe.")
     if kind != "json":
         return None
     if text.lstrip().startswith("{"):
