@@ -3,6 +3,7 @@
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Callable
 
 from sft.cli.console import (
@@ -118,6 +119,11 @@ def with_help(sub: argparse.ArgumentParser, run: Callable) -> Callable:
             return 0
         if args.recipe is None:
             raise SFTError(f"sft {args.verb}: give a recipe, e.g. `sft {args.verb} recipes/quickstart.yaml`.")
+        # `sft train --max_steps 1 r.yaml`: argparse takes `1` for the recipe ("Recipe 1 does not exist")
+        misplaced = next((a for a in rest if a.endswith((".yaml", ".yml")) and Path(a).is_file()), None)
+        if misplaced and not Path(args.recipe).is_file():
+            raise SFTError(f"sft {args.verb}: the recipe goes right after the verb, before the --key value flags: "
+                           f"sft {args.verb} {misplaced} --key value (`{args.recipe}` stood where the recipe goes).")
         return run(args, rest)
 
     return runner
@@ -267,8 +273,6 @@ def run_alpaca(args: argparse.Namespace, rest: list[str]) -> int:
 
 def run_recipes(args: argparse.Namespace, rest: list[str]) -> None:
     """sft recipes [--dir DIR]"""
-    from pathlib import Path
-
     from sft.training.catalog import list_recipes, recipes_table
 
     reject_extra(rest)
