@@ -68,6 +68,20 @@ def check_values(config: SFTConfig) -> None:
         raise SFTError(f"Bad value for `chat_template_kwargs`: {problem}.")
     if not str(config.output_dir or "").strip():
         raise SFTError("`output_dir` is empty: give the folder the run should write to, e.g. outputs/my-run.")
+    check_shell_variables(config)
+
+
+def check_shell_variables(config: SFTConfig) -> None:
+    """A shell expands $HOME on its command line, and nothing expands it in a recipe: `output_dir: $SCRATCH/run` ran
+    and wrote into a folder named `$SCRATCH` under the current one."""
+    for key in ("model_name_or_path", "tokenizer_name_or_path", "dataset", "eval_dataset", "deepspeed", "output_dir",
+                "logging_dir", "resume_from_checkpoint"):
+        value = getattr(config, key, None)
+        found = re.search(r"\$\{?[A-Za-z_]\w*\}?", value) if isinstance(value, str) else None
+        if found and not Path(value).exists():
+            raise SFTError(f"`{key}`: {value} holds the shell variable {found.group()}, which sft does not expand (a "
+                           f"recipe is no shell script), so it would be a folder named {found.group()}. Write the "
+                           f"path out, or pass it on the command line, where the shell expands it: --{key} {value}")
 
 
 def check_peft_keys(config: SFTConfig) -> None:
