@@ -49,7 +49,8 @@ def check_values(config: SFTConfig) -> None:
         raise SFTError(f"Bad value for `seed`: {config.seed}; give a number from 0 to 4294967295.")
     for key in BELOW_ONE:
         if not 0 <= getattr(config, key) < 1:
-            raise SFTError(f"Bad value for `{key}`: {getattr(config, key)}; give a number from 0 up to (not including) 1.")
+            raise SFTError(f"Bad value for `{key}`: {getattr(config, key)}; give a number from 0 up to (not "
+                           "including) 1.")
     check_peft_keys(config)
     check_cpu_fp16(config)
     if config.loss_kernel == "liger" and not config.chunked_loss:
@@ -115,7 +116,8 @@ def check_accelerator_config(value: object) -> None:
     FileNotFoundError traceback naming neither the key nor what it takes."""
     if isinstance(value, str) and not Path(value).expanduser().is_file():
         raise SFTError(f"Bad value for `accelerator_config`: {value!r} is not a file. Give the path of a JSON file of "
-                       "accelerate settings, or the settings themselves, e.g. accelerator_config: {split_batches: true}.")
+                       "accelerate settings, or the settings themselves, e.g. accelerator_config: {split_batches: "
+                       "true}.")
 
 
 def check_memory_budget(budget: float | None, compiled: bool) -> None:

@@ -45,7 +45,8 @@ def local_files_only(name: str | Path) -> bool:
 def model_hub_kwargs(name: str | Path) -> dict:
     """A model from_pretrained's `local_files_only` for `name`, given to its adapter_config.json probe too:
     transformers (5.24) hands that probe the revision but not local_files_only, so loading a cached Hub model with
-    the Hub unreachable paid huggingface_hub's retries anyway (23 s, 10 warnings, each `sft train` and `sft generate`)."""
+    the Hub unreachable paid huggingface_hub's retries anyway (23 s, 10 warnings, in each `sft train` and `sft
+    generate`)."""
     local = local_files_only(name)
     return {"local_files_only": local, **({"adapter_kwargs": {"local_files_only": True}} if local else {})}
 

@@ -37,7 +37,8 @@ def check_trainer_inputs(args: Any, data_collator: Any, kwargs: dict[str, Any]) 
         raise SFTError("compute_metrics is not called with predict_with_generate: evaluation generates each answer "
                        "from its prompt and scores the texts with the `metrics` setting (exact_match, rouge, bleu, "
                        "or 'my_module:score', called as score(predictions, references) on lists of strings). Pass "
-                       "SFTConfig(metrics=[...]) instead, or predict_with_generate=False for compute_metrics on logits.")
+                       "SFTConfig(metrics=[...]) instead, or predict_with_generate=False for compute_metrics on "
+                       "logits.")
 
 
 def check_packed_model(model: nn.Module, args: Any) -> None:

@@ -372,16 +372,13 @@ def check_slurm_tasks(world_size: int, verb: str = "train") -> None:
 
 
 def evaluation_config(config: SFTConfig) -> SFTConfig:
-    """The recipe as `sft eval` runs it. transformers evaluates without training under DeepSpeed only with ZeRO-3
-    (its ZeRO inference; below stage 3 it stops with "ZeRO inference only makes sense with ZeRO Stage 3"). ZeRO-0/1/2
-    keep whole weights on every process and shard only what training needs (gradients, optimizer states), so their
-    eval runs as plain data parallelism, with the same result; the recipe keeps ZeRO-3 and FSDP as they are.
-    push_to_hub is off: eval uploads nothing, yet the Trainer creates the Hub repository when built (without a Hub, a
-    traceback for `sft eval RUN/recipe.yaml` of a pushing run)."""
+    """The recipe as `sft eval` runs it. transformers evaluates under DeepSpeed only with ZeRO-3 ("ZeRO inference
+    only makes sense with ZeRO Stage 3"); ZeRO-0/1/2 keep whole weights on every process, so their eval runs as plain
+    data parallelism, with the same result (ZeRO-3 and FSDP stay). push_to_hub is off: eval uploads nothing, yet the
+    Trainer creates the Hub repository when built (a traceback without a Hub)."""
     stage = zero_stage(config.deepspeed)
     changes = {"deepspeed": None, "distributed": None} if config.deepspeed and stage != 3 else {}
-    if config.push_to_hub:
-        changes["push_to_hub"] = False
+    changes.update({"push_to_hub": False} if config.push_to_hub else {})
     if not changes:
         return config
     if "deepspeed" in changes:

@@ -1,13 +1,11 @@
 """What a finished run leaves for people: loss.png and a model card README.md."""
 
-import json
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # headless: no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
-
 from huggingface_hub import ModelCardData  # noqa: E402
 from huggingface_hub.errors import HFValidationError  # noqa: E402
 from huggingface_hub.utils import validate_repo_id  # noqa: E402
@@ -15,7 +13,6 @@ from huggingface_hub.utils import validate_repo_id  # noqa: E402
 from sft.config.arguments import SFTConfig  # noqa: E402
 from sft.data.sources import parse_sources  # noqa: E402
 from sft.models.loading import base_model, is_encoder_decoder, looks_local  # noqa: E402
-from sft.training.recipe import resolved_recipe  # noqa: E402
 
 
 def plot_loss(log_history: list[dict], path: Path) -> bool:
