@@ -38,6 +38,68 @@ def test_pickle_weights_are_refused_unless_allowed(tmp_path, tokenizer):
     assert isinstance(load_model(allowed, tokenizer), torch.nn.Module)
 
 
+def pickled_model(folder, tokenizer):
+    """A tiny Llama saved the old way, pytorch_model.bin only, with its tokenizer."""
+    model = make_llama(len(tokenizer))
+    model.config.save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def lora_adapter(folder, base, tokenizer, pickled: bool):
+    """A LoRA adapter on the model in `base`, saved as adapter_model.bin when `pickled`, with the tokenizer."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, use_safetensors=None),
+                           LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    model.save_pretrained(folder, safe_serialization=not pickled)
+    tokenizer.save_pretrained(folder)
+    assert (folder / "adapter_model.bin").exists() is pickled
+    return folder
+
+
+@pytest.mark.parametrize("case", ["model", "adapter on a pickled base", "adapter_model.bin"])
+def test_inference_verbs_refuse_pickled_weights_unless_allowed(case, tmp_path, tiny_model_dir, tokenizer, capsys,
+                                                                monkeypatch):
+    """`sft train` refused pickled weights unless allow_pickle, but `sft generate`, `sft chat` and `sft merge` loaded
+    a pytorch_model.bin model, an adapter's pickled base and an adapter_model.bin without asking. Now they refuse (exit
+    2, before any weights load, naming the files and --allow_pickle), and load them with --allow_pickle."""
+    import io
+
+    pickled = pickled_model(tmp_path / "pickled", tokenizer)
+    if case == "model":
+        folder = pickled
+    else:  # its base pickled, or its own weights
+        base = pickled if case == "adapter on a pickled base" else tiny_model_dir
+        folder = lora_adapter(tmp_path / "adapter", base, tokenizer, pickled=case == "adapter_model.bin")
+    files = f"{folder} holds only pickled weights"
+    if case == "adapter on a pickled base":
+        files = (f"{pickled} (the base model named in {folder / 'adapter_config.json'}) holds only pickled weights "
+                 "(pytorch_model.bin)")
+    verbs = [["generate", str(folder), "--prompt", "hi", "--max_new_tokens", "2"], ["chat", str(folder)]]
+    verbs += [["merge", str(folder), str(tmp_path / "merged")]] if case != "model" else []
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    for verb in verbs:
+        assert main(verb) == 2, verb
+        err = capsys.readouterr().err
+        assert files in err and "pass --allow_pickle" in err and "Traceback" not in err, err
+        assert main([*verb, "--allow_pickle"]) == 0, capsys.readouterr().err[-2000:]
+        capsys.readouterr()
+    assert case == "model" or (tmp_path / "merged" / "model.safetensors").is_file()
+
+
+def test_training_on_a_pickled_adapter_is_refused_unless_allowed(tmp_path, tiny_model_dir, tokenizer):
+    """An adapter folder holding adapter_model.bin as model_name_or_path (`sft eval`, or `sft train --use_peft`): peft
+    loaded the pickle though allow_pickle was off."""
+    adapter = lora_adapter(tmp_path / "adapter", tiny_model_dir, tokenizer, pickled=True)
+    with pytest.raises(SFTError, match="holds only pickled weights \\(adapter_model.bin\\).*allow_pickle: true"):
+        load_model(load_recipe({"model_name_or_path": str(adapter)}), tokenizer)
+    allowed = load_recipe({"model_name_or_path": str(adapter), "allow_pickle": True})
+    assert isinstance(load_model(allowed, tokenizer), torch.nn.Module)
+
+
 def test_hub_token_never_reaches_disk_or_logs(tmp_path, tiny_model_dir, capsys, monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     data = tmp_path / "data.json"

@@ -174,6 +174,7 @@ def add_inference_verbs(verbs: argparse._SubParsersAction) -> None:
     merge.add_argument("--overwrite", action="store_true",
                        help="replace an earlier merge sft wrote there (never other files)")
     merge.add_argument("--base_model", help="merge into this base instead of the one in adapter_config.json")
+    add_allow_pickle(merge)
     merge.set_defaults(run=run_merge)
     generate = verbs.add_parser("generate", help="generate a reply to one prompt",
                                 description="Generate a reply to --prompt with the model's chat template, or the "
@@ -207,6 +208,13 @@ def add_generation_options(sub: argparse.ArgumentParser) -> None:
                      "'{enable_thinking: false}' (default: those of the run's recipe.yaml, as its masks trained)")
     sub.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights dtype (auto: as saved)")
     sub.add_argument("--base_model", help="for adapters: use this base instead of the one in adapter_config.json")
+    add_allow_pickle(sub)
+
+
+def add_allow_pickle(sub: argparse.ArgumentParser) -> None:
+    """--allow_pickle, the inference verbs' form of the recipe key allow_pickle (sft.models.weights decides)."""
+    sub.add_argument("--allow_pickle", action="store_true", help="also load pickled .bin weights (model or adapter) "
+                     "where there are no safetensors; loading them can run arbitrary code, so only ones you trust")
 
 
 def reject_extra(rest: list[str]) -> None:
@@ -216,14 +224,15 @@ def reject_extra(rest: list[str]) -> None:
 
 
 def run_merge(args: argparse.Namespace, rest: list[str]) -> None:
-    """sft merge ADAPTER_DIR OUTPUT_DIR [--dtype D] [--overwrite] [--base_model M]"""
+    """sft merge ADAPTER_DIR OUTPUT_DIR [--dtype D] [--overwrite] [--base_model M] [--allow_pickle]"""
     from transformers import AutoConfig
 
     from sft.models.export import merge_adapter
     from sft.models.loading import auto_model_class
 
     reject_extra(rest)
-    out = merge_adapter(args.adapter_dir, args.output_dir, args.dtype, args.overwrite, args.base_model)
+    out = merge_adapter(args.adapter_dir, args.output_dir, args.dtype, args.overwrite, args.base_model,
+                        args.allow_pickle)
     log.info("Done. Load it with %s.from_pretrained(%r)", auto_model_class(AutoConfig.from_pretrained(out)).__name__,
              str(out))
 
@@ -242,7 +251,7 @@ def load_for_verb(args: argparse.Namespace, rest: list[str]) -> tuple:
                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed, template=template,
                                 chat_template_kwargs=prompt_template_kwargs(args.chat_template_kwargs, args.model_dir))
     options.check()  # before the model loads
-    model, tokenizer = load_for_inference(args.model_dir, args.dtype, args.base_model)
+    model, tokenizer = load_for_inference(args.model_dir, args.dtype, args.base_model, allow_pickle=args.allow_pickle)
     return model, tokenizer, options
 
 

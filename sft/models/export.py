@@ -18,7 +18,7 @@ RUN_FILES = ("recipe.yaml", "trainer_state.json", "training_args.bin", ADAPTER_C
 
 
 def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = "auto", overwrite: bool = False,
-                  base_model: str | None = None) -> Path:
+                  base_model: str | None = None, allow_pickle: bool = False) -> Path:
     """Merge the adapter into its base and save safetensors weights, config, tokenizer and chat template.
 
     A base the run quantized (QLoRA) is loaded quantized as in training and dequantized to `dtype` before the
@@ -31,6 +31,7 @@ def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = 
         dtype: weights dtype of the merged model: auto (the base's), bfloat16, float16 or float32.
         overwrite: replace what output_dir holds.
         base_model: merge into this base instead of the one named in adapter_config.json.
+        allow_pickle: also load pickled (.bin) weights, adapter's or base's, where there are no safetensors.
     """
     folder = check_folder(adapter_dir)
     if not is_adapter_folder(folder):
@@ -38,17 +39,19 @@ def merge_adapter(adapter_dir: str | Path, output_dir: str | Path, dtype: str = 
                        "folder) of a run trained with use_peft: true. Full fine-tunes need no merge.")
     out = Path(output_dir).expanduser()
     try:
-        return merge_into(folder, out, dtype, overwrite, base_model)
+        return merge_into(folder, out, dtype, overwrite, base_model, allow_pickle)
     finally:  # the lock check_output took on out, however the merge ends
         rundir.release(out)
 
 
-def merge_into(folder: Path, out: Path, dtype: str, overwrite: bool, base_model: str | None) -> Path:
+def merge_into(folder: Path, out: Path, dtype: str, overwrite: bool, base_model: str | None,
+               allow_pickle: bool = False) -> Path:
     """merge_adapter() of a checked adapter folder, holding out's lock from check_output until it returns."""
     check_output(out, folder, overwrite)  # before the slow load
     tokenizer = load_saved_tokenizer(folder)
     # On the CPU: a merge needs the full-precision weights once, which host memory holds more easily than a GPU.
-    model = load_adapter(folder, tokenizer, dtype, base_model, device="cpu", dequantize=True)
+    model = load_adapter(folder, tokenizer, dtype, base_model, device="cpu", dequantize=True,
+                         allow_pickle=allow_pickle)
     merged = model.merge_and_unload()
     merged.config.use_cache = True  # training switched the KV cache off; the merged model is for inference
     merged.generation_config = run_generation_config(folder) or merged.generation_config  # else the base's

@@ -31,6 +31,7 @@ from sft.models.attention import register as register_varlen
 from sft.models.families import non_text_towers
 from sft.models.hub import local_files_only, model_hub_kwargs
 from sft.models.quantization import DTYPES, quantized_loading, run_quantization
+from sft.models.weights import RECIPE_ALLOW, pickle_problem, safetensors_kwargs, unloadable_hint
 
 log = logging.getLogger(__name__)
 EMBEDDING_MULTIPLE = 64  # padded vocab sizes keep matmuls on fast tensor-core shapes
@@ -92,8 +93,12 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     adapter = check_model_reference(config.model_name_or_path)  # a use_peft run: its base, then the adapter on it
     adapter = adapter if is_adapter_folder(adapter) else None
     name = base_model(config)
+    for folder in (adapter, name):  # the adapter's weights are loaded (by peft) as its base's are
+        problem = folder and pickle_problem(folder, config.allow_pickle, RECIPE_ALLOW)
+        if problem:
+            raise SFTError(problem)
     kwargs = dict(revision=config.revision, cache_dir=config.cache_dir, trust_remote_code=config.trust_remote_code,
-                  use_safetensors=None if config.allow_pickle else True, dtype=DTYPES.get(config.dtype, "auto"),
+                  dtype=DTYPES.get(config.dtype, "auto"), **safetensors_kwargs(config.allow_pickle),
                   **model_hub_kwargs(name))
     if config.attn_implementation:
         kwargs["attn_implementation"] = attention(config)
@@ -102,8 +107,7 @@ def load_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
         model = auto_model_class(load_model_config(config, name)).from_pretrained(name, **kwargs)
     except (OSError, ValueError) as err:
         raise SFTError(f"Could not load the model {name}: {str(err).splitlines()[0]}"
-                       + (" (sft loads safetensors only; set allow_pickle: true to load .bin weights you trust)"
-                          if "safetensors" in str(err) else "")) from None
+                       + unloadable_hint(err, config.allow_pickle, RECIPE_ALLOW)) from None
     model.config.use_cache = False  # a KV cache during training defeats packed-sequence isolation and wastes memory
     # An adapter grows the embeddings as peft's loaders will (exactly, no padding) or as its saved weights say.
     rows = adapter_embedding_rows(model, tokenizer, adapter) if adapter or config.use_peft else None

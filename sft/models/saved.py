@@ -31,13 +31,15 @@ from sft.models.loading import (
     not_a_model_folder,
 )
 from sft.models.quantization import DTYPES, is_quantized, run_quantization
+from sft.models.weights import FLAG_ALLOW, pickle_problem, safetensors_kwargs, unloadable_hint
 
 log = logging.getLogger(__name__)
 # What a saved tokenizer consists of: any one of these (fast, sentencepiece or BPE files) lets AutoTokenizer try
 
 
 def load_for_inference(path: str | Path, dtype: str = "auto", base_model: str | None = None,
-                       device: str | None = None) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
+                       device: str | None = None,
+                       allow_pickle: bool = False) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
     """A model folder, or an adapter folder on its base model, with the tokenizer saved beside it, in eval mode.
 
     Args:
@@ -45,14 +47,15 @@ def load_for_inference(path: str | Path, dtype: str = "auto", base_model: str | 
         dtype: auto (as saved), bfloat16, float16 or float32.
         base_model: for adapters, load this base instead of the one named in adapter_config.json.
         device: where to run; default cuda when available, else cpu.
+        allow_pickle: also load pickled (.bin) weights, model's or adapter's, where there are no safetensors.
     """
     folder = check_folder(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_saved_tokenizer(folder)
     if is_adapter_folder(folder):
-        model = load_adapter(folder, tokenizer, dtype, base_model, device)
+        model = load_adapter(folder, tokenizer, dtype, base_model, device, allow_pickle=allow_pickle)
     else:
-        model = load_pretrained(str(folder), dtype, device)
+        model = load_pretrained(str(folder), dtype, device, allow_pickle=allow_pickle)
     model.eval()
     return model, tokenizer
 
@@ -104,8 +107,12 @@ def keep_legacy_on_save(tokenizer: PreTrainedTokenizerBase) -> None:
 
 
 def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, base_model: str | None,
-                 device: str, dequantize: bool = False) -> PeftModel:
-    """The adapter in `folder` on its base model, quantized as in training unless `dequantize`."""
+                 device: str, dequantize: bool = False, allow_pickle: bool = False) -> PeftModel:
+    """The adapter in `folder` on its base model, quantized as in training unless `dequantize`; pickled weights
+    (adapter's or base's) only when `allow_pickle`."""
+    problem = pickle_problem(folder, allow_pickle, FLAG_ALLOW)  # before the base's slow load
+    if problem:
+        raise SFTError(problem)
     # a local path that is not there (a typo, or a base moved since training) is named as such, not as a bad Hub id
     hint = "Check the path or Hub id and network access"
     if base_model:
@@ -117,7 +124,7 @@ def load_adapter(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: str, b
         origin = f" (the base model named in {config_file})"
         hint += ", or pass --base_model with a local copy"
     log.info("Loading the base model %s for the adapter in %s", name, folder)
-    base = load_pretrained(name, dtype, device, run_quantization(folder), origin, hint)
+    base = load_pretrained(name, dtype, device, run_quantization(folder), origin, hint, allow_pickle)
     if dequantize and is_quantized(base):
         # loaded in the run's dtype (run_quantization); auto still means the dtype the base is saved in
         target = DTYPES.get(dtype) or saved_dtype(name)
@@ -137,16 +144,21 @@ def saved_dtype(name: str) -> torch.dtype | None:
 
 
 def load_pretrained(name: str, dtype: str, device: str, quantization: dict | None = None, origin: str = "",
-                    unreachable_hint: str = "") -> PreTrainedModel:
+                    unreachable_hint: str = "", allow_pickle: bool = False) -> PreTrainedModel:
     """A causal or encoder-decoder LM (as its config says) for inference, or an SFTError naming what could not be
-    loaded, where `name` came from (`origin`) and, when its files could not be found or fetched, `unreachable_hint`."""
+    loaded, where `name` came from (`origin`) and, when its files could not be found or fetched, `unreachable_hint`;
+    pickled weights only when `allow_pickle`."""
+    problem = pickle_problem(name, allow_pickle, FLAG_ALLOW, origin)
+    if problem:
+        raise SFTError(problem)
     try:
         auto = auto_model_class(AutoConfig.from_pretrained(name, local_files_only=local_files_only(name)))
         # a quantized base loads in the dtype its run loaded it in (quantization["dtype"]): it decides the 4-bit codes
-        settings = {"dtype": DTYPES.get(dtype, "auto"), **(quantization or {})}
+        settings = {"dtype": DTYPES.get(dtype, "auto"), **safetensors_kwargs(allow_pickle), **(quantization or {})}
         return auto.from_pretrained(name, device_map={"": device}, **model_hub_kwargs(name), **settings)
     except (OSError, ValueError) as err:
         # A ValueError is a model transformers cannot build (e.g. an unknown architecture): no path or network check
         # would fix it, so it gets no such hint.
         hint = f". {unreachable_hint}" if unreachable_hint and isinstance(err, OSError) else ""
-        raise SFTError(f"Could not load the model {name}{origin}{hint}: {str(err).splitlines()[0]}") from None
+        raise SFTError(f"Could not load the model {name}{origin}{hint}: {str(err).splitlines()[0]}"
+                       + unloadable_hint(err, allow_pickle, FLAG_ALLOW)) from None
