@@ -124,6 +124,8 @@ def test_a_hub_dataset_is_read_from_the_cache_only_when_unreachable(online, monk
     assert str(caught.value).startswith("Could not load dataset sft-tests/never-cached [train[:4]]: the Hugging Face "
                                         "Hub cannot be reached (no network, or HF_HUB_OFFLINE is set) and the datasets "
                                         "cache (")
+    assert (f"nor does the Hub cache ({huggingface_hub.constants.HF_HUB_CACHE}, where `hf download --repo-type "
+            "dataset sft-tests/never-cached` puts it)") in str(caught.value)
     assert "Point `dataset` at a local file or folder" in str(caught.value)
     assert not any("Retrying" in r.getMessage() for r in caplog.records)
     assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == (False, False)  # restored
@@ -200,17 +202,65 @@ def test_a_cached_hub_model_loads_without_asking_the_hub(online, monkeypatch, tm
     assert asked == []
 
 
-def cache_model(monkeypatch, tmp_path, folder, repo_id: str) -> None:
-    """`folder`'s files as Hub model `repo_id` in an HF cache (huggingface_hub's layout) under tmp_path, in use."""
+def cache_model(monkeypatch, tmp_path, folder, repo_id: str, kind: str = "models") -> Path:
+    """`folder`'s files (subfolders too) as Hub repository `repo_id` of `kind` (models, datasets) in an HF cache
+    (huggingface_hub's layout) under tmp_path, in use; returns its snapshot folder."""
     commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}"
+    repo = tmp_path / "hub" / f"{kind}--{repo_id.replace('/', '--')}"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
-    for file in folder.iterdir():
-        (snapshot / file.name).write_bytes(file.read_bytes())
+    for file in (f for f in folder.rglob("*") if f.is_file()):
+        (snapshot / file.relative_to(folder)).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / file.relative_to(folder)).write_bytes(file.read_bytes())
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return snapshot
+
+
+CARD = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/mytrain.jsonl
+  - split: test
+    path: heldout.jsonl
+---
+# A dataset whose splits only its card names
+"""
+
+
+@pytest.mark.parametrize("mode", ["offline", "unreachable"])
+def test_a_hub_dataset_downloaded_to_the_hub_cache_is_read_when_the_hub_is_unreachable(mode, online, monkeypatch,
+                                                                                      tmp_path):
+    """`hf download --repo-type dataset NAME` keeps a dataset's files in the huggingface_hub cache, which `datasets`
+    does not read: with the Hub unreachable `dataset: NAME` failed (exit 2, "the datasets cache does not hold it").
+    Now the snapshot is read as the repository's files, its README `configs` splits included: the rows `datasets`
+    reads from the same files, the card's test split left out of training. No request is made."""
+    import json
+
+    import datasets
+
+    from sft.data.sources import Source, load_source
+
+    if mode == "offline":
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    session = use_session(monkeypatch, FakeSession(ConnectionError("Connection refused")))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")  # which lacks it
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    (repo / "README.md").write_text(CARD)
+    train = [{"instruction": f"Say {w}", "output": w} for w in ("hi", "yo", "hey")]
+    test = [{"instruction": "Say ho", "output": "ho"}, {"instruction": "Say ha", "output": "ha"}]
+    (repo / "data" / "mytrain.jsonl").write_text("".join(json.dumps(row) + "\n" for row in train))
+    (repo / "heldout.jsonl").write_text("".join(json.dumps(row) + "\n" for row in test))
+    snapshot = cache_model(monkeypatch, tmp_path, repo, "sft-tests/card-splits", kind="datasets")
+    assert load_source(Source("sft-tests/card-splits")).to_list() == train
+    assert load_source(Source("sft-tests/card-splits", split="test[:1]")).to_list() == test[:1]
+    assert load_source(Source("sft-tests/card-splits")).to_list() == datasets.load_dataset(str(snapshot),
+                                                                                          split="train").to_list()
+    assert session.heads == ([] if mode == "offline" else [(huggingface_hub.constants.ENDPOINT, hub.PROBE_TIMEOUT_S)])
 
 
 @pytest.mark.parametrize("base", ["local", "hub"])

@@ -1,7 +1,6 @@
 """Data sources: local files, folders or Hub ids, loaded with `datasets`, renamed, weighted and concatenated."""
 
 import codecs
-import contextlib
 import difflib
 import hashlib
 import json
@@ -16,7 +15,6 @@ from datasets.data_files import DEFAULT_PATTERNS_ALL, DataFilesDict, get_data_pa
 
 from sft.data.cards import card_patterns
 from sft.data.files import (
-    COMPRESSED,
     FILE_TYPES,
     LOADERS,
     READ_OPTIONS,
@@ -26,9 +24,8 @@ from sft.data.files import (
     is_glob,
     unread_type,
 )
+from sft.data.hub import first_line, load_hub
 from sft.errors import SFTError
-from sft.models.hub import hub_offline, hub_reachable
-from sft.models.loading import looks_local
 
 log = logging.getLogger(__name__)
 # Columns a row of some format holds as a list of objects: a file with one such object is one row, not a wrapper.
@@ -105,7 +102,7 @@ def load_source(source: Source) -> datasets.Dataset:
     if path.is_dir() and source.data_dir:  # as load_dataset(folder, data_dir=...) reads it; it was ignored
         path = path / source.data_dir
     local = path.exists() or is_glob(str(path))  # a glob (data/*.parquet) is local files, as in data_files
-    ds = _load_local(path, source.split, source.name) if local else _load_hub(source)
+    ds = _load_local(path, source.split, source.name) if local else load_hub(source, _load_local)
     return rename_columns(ds, source)
 
 
@@ -116,7 +113,7 @@ def _load_saved(path: Path, split: str) -> datasets.Dataset:
     try:
         saved = datasets.load_from_disk(str(path))
     except Exception as err:  # datasets raises several types for a damaged folder
-        raise SFTError(f"Could not read the saved dataset {path}: {_first_line(err)}") from None
+        raise SFTError(f"Could not read the saved dataset {path}: {first_line(err)}") from None
     if isinstance(saved, datasets.DatasetDict):
         if name not in saved:
             raise SFTError(f"Dataset {path} has no split {name!r}; it has {', '.join(saved)}. Set the source's "
@@ -144,13 +141,6 @@ def all_local(sources: list[Source]) -> bool:
     return not missing
 
 
-def _check_reachable(source: Source) -> None:
-    """A path-looking source that is not on disk is a typo, not a Hub id."""
-    if looks_local(source.path) or file_kind(Path(source.path)) or Path(source.path).suffix in COMPRESSED:
-        raise SFTError(f"Dataset file {source.path} does not exist. Check the path (relative paths start from "
-                       f"{Path.cwd()}).")
-
-
 def _load_local(path: Path, split: str = "train", config: str | None = None) -> datasets.Dataset:
     if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
         return _load_saved(path, split)
@@ -174,7 +164,7 @@ def _load_local(path: Path, split: str = "train", config: str | None = None) -> 
         return datasets.load_dataset(LOADERS.get(kind, kind), data_files=[str(f) for f in files], split=split,
                                      **READ_OPTIONS.get(kind, {}))
     except Exception as err:  # datasets wraps parse errors in many types; re-scan to say where
-        raise SFTError(f"Could not read dataset {path}: {_first_line(err)}") from None
+        raise SFTError(f"Could not read dataset {path}: {first_line(err)}") from None
 
 
 def _split_files(path: Path, files: list[Path], split: str, config: str | None) -> tuple[list[Path], str]:
@@ -192,7 +182,7 @@ def _split_files(path: Path, files: list[Path], split: str, config: str | None) 
         named = {str(name): {Path(f).resolve() for f in found}
                  for name, found in DataFilesDict.from_patterns(patterns, str(path)).items()}
     except FileNotFoundError as err:  # a card's pattern that matches no file
-        raise SFTError(f"Dataset folder {path}: {_first_line(err)}. Fix the README.md `configs` paths.") from None
+        raise SFTError(f"Dataset folder {path}: {first_line(err)}. Fix the README.md `configs` paths.") from None
     parts = {name: [f for f in files if f.resolve() in found] for name, found in named.items()}
     parts = {name: part for name, part in parts.items() if part}
     name = split.partition("[")[0]
@@ -289,7 +279,7 @@ def _from_rows(files: list[Path], parts: list[list[dict]], split: str) -> datase
             ds = datasets.load_dataset("json", data_files=str(lines), split="train", cache_dir=tmp,
                                        keep_in_memory=True)
         except Exception as err:  # datasets wraps Arrow's type errors in several types
-            raise SFTError(f"Could not read dataset {files[0]}: {_first_line(err)}") from None
+            raise SFTError(f"Could not read dataset {files[0]}: {first_line(err)}") from None
     # The tokenization cache keys on the fingerprint; make it follow the files' content, not a random id.
     ds._fingerprint = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
     return _sliced(ds, split, files[0])
@@ -345,22 +335,6 @@ def _check_rows_are_objects(path: Path, rows: Any) -> None:
             raise SFTError(f"Dataset file {path}, row {number}: expected a non-empty JSON object, got {row!r}.")
 
 
-def _load_hub(source: Source) -> datasets.Dataset:
-    _check_reachable(source)
-    online = hub_reachable()
-    try:
-        with contextlib.nullcontext() if online else hub_offline():  # the cache only: no retries
-            return datasets.load_dataset(source.path, source.name, data_dir=source.data_dir, split=source.split)
-    except Exception as err:
-        if not online:
-            raise SFTError(f"Could not load dataset {source.label}: the Hugging Face Hub cannot be reached (no "
-                           f"network, or HF_HUB_OFFLINE is set) and the datasets cache ({datasets.config.HF_DATASETS_CACHE}) "
-                           f"does not hold it ({_first_line(err)}). Point `dataset` at a local file or folder, or load "
-                           "it once where the Hub is reachable.") from None
-        raise SFTError(f"Could not load dataset {source.label} from the Hub: {_first_line(err)}. Check the id and "
-                       "split, your network, and `huggingface-cli login` for gated data.") from None
-
-
 def rename_columns(ds: datasets.Dataset, source: Source) -> datasets.Dataset:
     """Apply the source's `columns` mapping (dataset name -> expected name)."""
     missing = [c for c in source.columns if c not in ds.column_names]
@@ -393,8 +367,3 @@ def repeat_by_weight(ds: datasets.Dataset, weight: float, seed: int) -> datasets
     if frac:
         parts.append(ds.shuffle(seed=seed).select(range(round(len(ds) * frac))))
     return datasets.concatenate_datasets(parts)
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0]
