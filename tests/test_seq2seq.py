@@ -185,6 +185,20 @@ def one_step_grads(tokenizer, batch: int, accumulation: int, out: Path, **overri
     return loss, {k: before[k] - v.detach() for k, v in model.named_parameters()}
 
 
+def test_trained_tokens_are_every_decoder_label(tokenizer, tmp_path):
+    """An encoder-decoder's loss scores every label (the decoder input is the labels shifted right, no label is
+    dropped), so the log's trained_tokens counts them all, each row's first included: 23 here, where a causal LM's
+    count of the same labels would be 19."""
+    rows = step_rows(tokenizer)
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, logging_steps=1,
+                     report_to="none", save_strategy="no", use_cpu=True)
+    trainer = Seq2SeqSFTTrainer(model=make_t5(tokenizer, seed=1), args=args, processing_class=tokenizer,
+                                train_dataset=datasets.Dataset.from_list(rows))
+    trainer.train()
+    assert [e["trained_tokens"] for e in trainer.state.log_history if "trained_tokens" in e] == [
+        sum(len(row["labels"]) for row in rows)]
+
+
 def token_mean(model, rows: list[dict], smoothing: float = 0.0) -> torch.Tensor:
     """The reference loss, independent of sft: each row's decoder cross entropy alone (no padding), with PyTorch's
     label smoothing, summed over every row and divided by all their target tokens."""

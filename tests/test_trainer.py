@@ -90,6 +90,32 @@ def test_throughput_log_counts_exact_tokens_and_logs_plain_numbers(monkeypatch):
     assert third["trained_tokens"] == 8 + 4 and third["tokens_per_second"] > 0
 
 
+@pytest.mark.parametrize("layout", ["padded", "padded, model's own loss", "padding_free"])
+def test_trained_tokens_are_the_next_token_targets_the_loss_trains(tmp_path, tokenizer, layout):
+    """A causal LM trains next-token targets, labels[:, 1:]: a row's first label is predicted by nothing. With a user's
+    labels = input_ids (4 rows of 10 tokens) the log counted every label, 40 trained tokens, where the loss trained
+    36 (the Trainer's num_items_in_batch); padding-free batches, whose examples start with -100, counted 36 already."""
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": list(ids)} for ids in torch.randint(5, 300, (4, 10), generator=g).tolist()]
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, logging_steps=1,
+                     report_to="none", save_strategy="no", chunked_loss=layout == "padded",
+                     padding_free=layout == "padding_free")
+    trainer = SFTTrainer(model=make_llama(len(tokenizer)), args=args, processing_class=tokenizer,
+                         train_dataset=datasets.Dataset.from_list(rows))
+    trainer.train()
+    assert [e["trained_tokens"] for e in trainer.state.log_history if "trained_tokens" in e] == [4 * (10 - 1)]
+
+
+def test_throughput_log_counts_what_the_loss_scores():
+    """Causal (shifted): labels[:, 1:] per row, so a trained first label is not counted; an encoder-decoder's loss
+    scores every decoder label, the first included."""
+    labels = torch.tensor([[7, 8, -100, 9], [5, -100, -100, 6]])
+    causal, seq2seq = ThroughputLog(), ThroughputLog(shifted=False)
+    for log in (causal, seq2seq):
+        log.count({"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": labels})
+    assert (int(causal.pending_trained), int(seq2seq.pending_trained)) == (3, 5)
+
+
 def test_throughput_counts_packed_rows_without_their_padding():
     """PackedCollator pads rows to the widest with one more example of pad ids and no labels, and passes no
     attention_mask: counting every position logged the padding as trained-on tokens."""

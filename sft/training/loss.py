@@ -174,7 +174,7 @@ def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: 
     for key in ("logits_to_keep", "return_dict", "use_cache"):
         kwargs.pop(key, None)
     hidden = self.get_decoder()(*args, use_cache=False, **kwargs).last_hidden_state
-    targets = labels[:, 1:]
+    targets = loss_targets(labels, shifted=True)
     keep = targets != IGNORE_INDEX
     weight = head_weight(gathered_head(self.get_output_embeddings()))
     chunk = chunk_rows(weight.shape[0])
@@ -250,10 +250,18 @@ eager_linear_cross_entropy = torch.compiler.disable(LinearCrossEntropy.apply)
 eager_token_losses = torch.compiler.disable(chunked_token_losses)
 
 
+def loss_targets(labels: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """The labels a loss scores ([B, T] rows): a causal LM's next-token targets labels[:, 1:] when `shifted` (position
+    t predicts label t + 1, so no row's first label is ever a target; packed rows' example starts are -100 already,
+    sft.data.collators), an encoder-decoder's every label otherwise. HostCount (sft.data, below this layer) counts
+    the same labels[:, 1:]."""
+    return labels[..., 1:] if shifted else labels
+
+
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
     """Each position's cross entropy (0 where untrained), next-token when `shifted`."""
     if shifted:
-        logits, labels = logits[:, :-1], labels[:, 1:]
+        logits, labels = logits[:, :-1], loss_targets(labels, shifted)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="none").view(labels.shape)
 
@@ -341,7 +349,7 @@ class EvalTokenSums:
         if token_losses is None:  # models without the chunked forward return logits
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
             token_losses = token_cross_entropy(logits, labels, shifted)
-        targets = labels[:, 1:] if shifted else labels
+        targets = loss_targets(labels, shifted)
         trained = targets != IGNORE_INDEX
         rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)
         n_rows = targets.shape[0]

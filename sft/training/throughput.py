@@ -7,18 +7,21 @@ from typing import Any, Callable
 import torch
 
 from sft.data.encode import IGNORE_INDEX
+from sft.training.loss import loss_targets
 
 STATE_KEY = "sft_trained_tokens"  # in TrainerState.stateful_callbacks, which every checkpoint saves
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a sum over processes (accelerator.reduce); identity alone
 
 
 class ThroughputLog:
-    """Counts each micro-batch's tokens (attended; packed rows without their padding) and trained labels between
-    logs."""
+    """Counts each micro-batch's tokens (attended; packed rows without their padding) and trained targets (the labels
+    the loss scores: a causal LM's next-token targets when `shifted`, an encoder-decoder's labels) between logs."""
 
-    def __init__(self, device: torch.device | str = "cpu", pad_token_id: int | None = None) -> None:
+    def __init__(self, device: torch.device | str = "cpu", pad_token_id: int | None = None,
+                 shifted: bool = True) -> None:
         self.device = device  # where a collective can sum the counts (NCCL: the GPU)
         self.pad_token_id = pad_token_id  # PackedCollator pads with it (packed_padding)
+        self.shifted = shifted
         self.window_tokens, self.pending_trained, self.trained_total = 0, 0, 0
         self.window_start = time.perf_counter()
 
@@ -30,7 +33,9 @@ class ThroughputLog:
                                else inputs["input_ids"].numel() - packed_padding(inputs, self.pad_token_id))
         labels = inputs.get("labels")
         if isinstance(labels, torch.Tensor):  # a user's collator may give labels None (DataCollatorForSeq2Seq)
-            self.pending_trained += (labels != IGNORE_INDEX).sum()
+            # A row's first label is no causal target: counted, a user's labels = input_ids (or text rows of a
+            # tokenizer without BOS) logged one trained token per row more than the loss trains (40 vs 36).
+            self.pending_trained += (loss_targets(labels, self.shifted) != IGNORE_INDEX).sum()
 
     def add_to(self, logs: dict[str, float], reduce: Reduce = lambda t: t) -> dict[str, float]:
         """Training logs (those with a loss) plus tokens_per_second and trained_tokens of all processes; starts a

@@ -86,7 +86,7 @@ class SFTMixin(sampling.EpochSeededSampling):
             self.label_smoother = None  # sft's own loss applies label smoothing
         self.eval_tokens = EvalTokenSums(self.accelerator)
         pad_id = getattr(self.processing_class, "pad_token_id", None)
-        self.throughput = ThroughputLog(self.accelerator.device, pad_id)
+        self.throughput = ThroughputLog(self.accelerator.device, pad_id, shifted=not self.token_loss.encoder_decoder)
         # The Trainer's own NEFTune hook scales noise by the padded/packed row length; ours by each example's.
         self.neftune = NEFTune(self.neftune_noise_alpha) if self.neftune_noise_alpha else None
         self.neftune_noise_alpha = None
