@@ -676,7 +676,7 @@ def generate_prompts(monkeypatch, folder: Path, *extra: str) -> list[str]:
     tok, stops = family_tokenizer("qwen3")
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=1, num_attention_heads=4, eos_token_id=stops))
-    monkeypatch.setattr(sft.models.saved, "load_for_inference", lambda *args: (model, tok))
+    monkeypatch.setattr(sft.models.saved, "load_for_inference", lambda *args, **kwargs: (model, tok))
     prompts = []
     render = generation.render_prompt
     monkeypatch.setattr(generation, "render_prompt", lambda *a: prompts.append(render(*a)[0]) or render(*a))
