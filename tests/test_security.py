@@ -80,7 +80,10 @@ def test_inference_verbs_refuse_pickled_weights_unless_allowed(case, tmp_path, t
                  "(pytorch_model.bin)")
     verbs = [["generate", str(folder), "--prompt", "hi", "--max_new_tokens", "2"], ["chat", str(folder)]]
     verbs += [["merge", str(folder), str(tmp_path / "merged")]] if case != "model" else []
-    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    import sft.cli.chat
+
+    chat = sft.cli.chat.chat  # its stdin default is bound at import: give it one line to answer
+    monkeypatch.setattr(sft.cli.chat, "chat", lambda *args, **kwargs: chat(*args, **kwargs, stdin=io.StringIO("hi\n")))
     for verb in verbs:
         assert main(verb) == 2, verb
         err = capsys.readouterr().err
