@@ -267,3 +267,22 @@ def test_check_stands_a_tiny_multimodal_model_in_for_gemma3(tmp_path, capsys):
     assert (tiny.vision_config.hidden_size, tiny.vision_config.num_hidden_layers) == (64, 2)
     flags = ["--model_name_or_path", str(tmp_path / "gemma3"), "--output_dir", str(tmp_path / "run")]
     assert main(["check", "recipes/quickstart.yaml", *flags]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.skipif(not TOKENIZERS.is_dir(), reason=f"real tokenizers not found at {TOKENIZERS} (set SFT_FIXTURES)")
+def test_a_llama_recipe_checks_with_its_real_tokenizer_when_the_model_is_out_of_reach(tmp_path, capsys):
+    """The stand-in kept LlamaConfig's default eos id 2 in its generation config, which Llama-3's tokenizer reads as
+    '#': the shipped Llama-3.1 LoRA recipe with Meta's own tokenizer failed every check as "the tokenizer is not this
+    model's". The stand-in's special ids are its tokenizer's."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from sft.check.smoke import tiny_recipe
+
+    flags = ["--tokenizer_name_or_path", str(TOKENIZERS / "meta-llama-3-8b-instruct"), "--report_to", "none"]
+    tiny_recipe("recipes/llama-3.1-8b-instruct/lora.yaml", flags, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZERS / "meta-llama-3-8b-instruct")
+    saved = json.loads((tmp_path / "model" / "generation_config.json").read_text())
+    assert (saved["bos_token_id"], saved["eos_token_id"]) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
+    assert main(["check", "recipes/llama-3.1-8b-instruct/lora.yaml", *flags]) == 0

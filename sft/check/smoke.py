@@ -201,7 +201,11 @@ def tiny_model(config: SFTConfig, report: CheckReport, folder: Path, real: Pretr
         raise SFTError(f"The tokenizer {config.tokenizer_name_or_path or config.model_name_or_path} does not fit the "
                        f"model {config.model_name_or_path}: {problem} (`sft train` would only warn and train on.)")
     tiny_config = tiny_architecture(report.model_type, len(tokenizer), config.max_length)
+    # The architecture's default config names its own bos/eos ids (Llama's 1 and 2), which the saved generation config
+    # copies: on Llama-3's tokenizer id 2 is '#', and every check of a Llama recipe with its real tokenizer and an
+    # unreachable model failed as "the tokenizer is not this model's". The stand-in uses its tokenizer's ids.
     tiny_config.pad_token_id = tokenizer.pad_token_id
+    tiny_config.bos_token_id, tiny_config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     if tiny_config.is_encoder_decoder:  # T5/BART configs made from scratch name no decoder start token
         tiny_config.decoder_start_token_id = tokenizer.pad_token_id
     auto = AutoModelForSeq2SeqLM if tiny_config.is_encoder_decoder else AutoModelForCausalLM
