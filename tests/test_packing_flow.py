@@ -119,3 +119,27 @@ def test_the_trainer_packs_rows_from_build_datasets_as_train_does(tmp_path, toke
                                              d_kv=8, decoder_start_token_id=tokenizer.pad_token_id))
     with pytest.raises(SFTError, match="packing and padding_free need a decoder-only model"):
         SFTTrainer(model=t5, args=config, processing_class=tokenizer, train_dataset=train_set)
+
+
+@pytest.mark.parametrize("flags, warned", [(["--max_length", "48"], True), (["--max_length", "1024"], False),
+                                           (["--max_length", "48", "--packing", "true"], False)])
+def test_a_max_length_that_cuts_most_rows_is_warned_of(tmp_path, capsys, caplog, flags, warned):
+    """max_length far below the data's lengths printed its counts in the stats table and nothing else: `sft train`
+    and `sft check` ran on, most answers cut before their EOS. Packing with bfd_split keeps every row whole (no
+    warning); past 5% of the rows cut or dropped, it is one warning line with the table's exact counts."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        model = REPO / "data" / "models" / "tiny-llama"  # the quickstart's: its rows are 50 tokens at p50, 64 at p95
+        assert main(["data", recipe(tmp_path, model, packing_strategy="bfd_split"), "--json", *flags]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Training data:")]
+    cut, total = stats["dropped_rows"] + stats["truncated_rows"], stats["rows"] + stats["dropped_rows"]
+    if not warned:
+        assert lines == [] and cut <= 0.05 * total
+        return
+    assert cut > 0.05 * total and stats["truncated_rows"] > 0
+    assert lines == [f"Training data: {cut:,} of {total:,} rows ({cut / total:.0%}) do not fit max_length=48: "
+                     f"{stats['dropped_rows']:,} dropped (no trained token fits), {stats['truncated_rows']:,} cut, each "
+                     "losing the end of its answer, EOS or end of turn included, which the model then never learns to "
+                     "write. Raise max_length, or shorten the rows."]

@@ -1,5 +1,7 @@
 """What `sft data` reports: statistics of a recipe's training data and, on request, rendered examples."""
 
+import logging
+
 from sft.config.arguments import SFTConfig
 from sft.data.build import Prepared, SourceFormat, make_renderer, prepare_splits, resolve_format
 from sft.data.encode import Encoding
@@ -8,6 +10,8 @@ from sft.data.sources import load_source, parse_sources
 from sft.data.stats import DataStats, compute_stats
 from sft.data.tokenizer import load_tokenizer
 from sft.models.loading import generation_eos, is_encoder_decoder
+
+log = logging.getLogger(__name__)
 
 
 def describe_data(config: SFTConfig, show: int = 0, color: bool = False) -> tuple[DataStats, str]:
@@ -33,6 +37,9 @@ def training_stats(train: Prepared, config: SFTConfig, packing_strategy: str | N
         stats.reasoning_tokens, stats.history, stats.split_rows = (train.reasoning_tokens, config.history,
                                                                    train.split_rows)
         stats.chat_template_kwargs = config.chat_template_kwargs or None
+    warning = stats.fit_warning(config.truncation_side)
+    if warning:  # logged by `sft train` and `sft data` alike, before any training
+        log.warning(warning)
     return stats
 
 
