@@ -286,3 +286,13 @@ def test_a_llama_recipe_checks_with_its_real_tokenizer_when_the_model_is_out_of_
     saved = json.loads((tmp_path / "model" / "generation_config.json").read_text())
     assert (saved["bos_token_id"], saved["eos_token_id"]) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
     assert main(["check", "recipes/llama-3.1-8b-instruct/lora.yaml", *flags]) == 0
+
+
+def test_the_two_step_smoke_run_does_not_warn_of_the_recipes_warmup(caplog):
+    """quickstart-chat's warmup_steps 5 is for its 36-step run; the smoke run's 2 steps keep no warmup, so the check
+    does not pass on sft train's warning of a warmup longer than the run as if it were the recipe's."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        assert main(["check", "recipes/quickstart-chat.yaml"]) == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "sft.training.schedule"] == []

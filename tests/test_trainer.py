@@ -222,3 +222,35 @@ def test_a_users_collator_makes_the_labels(tmp_path, tokenizer):
                          data_collator=DataCollatorForSeq2Seq(tokenizer))
     with pytest.raises(ValueError, match="did not return a loss"):
         trainer.train()
+
+
+@pytest.mark.parametrize("settings, warnings", [
+    ({"warmup_steps": 5}, ["warmup_steps=5 is 5 optimizer steps, and the run has 2: the learning rate rises for the "
+                           "whole run, reaches at most 20% of learning_rate=0.001 and never decays. Set warmup_steps "
+                           "below 2, or as a share of the run (warmup_steps: 0.03)."]),
+    ({"warmup_steps": 1}, []),
+    ({"warmup_steps": 0.5}, []),  # a share: 1 of the 2 steps
+    ({"eval_strategy": "steps", "eval_steps": 3},
+     ["eval_steps=3 is beyond the run's 2 optimizer steps: no evaluation runs during training (only the final one), "
+      "so nothing is compared for load_best_model_at_end or early stopping. Set eval_steps below 2, or as a share of "
+      "the run (eval_steps: 0.1)."]),
+    ({"eval_strategy": "steps", "eval_steps": 2}, []),
+])
+def test_step_counts_the_run_never_reaches_are_warned_of(tmp_path, tokenizer, caplog, settings, warnings):
+    """A warmup written for a longer run (quickstart-chat's 36 steps with warmup_steps 200: eval loss 3.23 against
+    1.87) or an eval_steps past the run's end trained on without a word; the run's step count is known only once the
+    Trainer has the data, so the check runs as training begins."""
+    import logging
+
+    args = SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_train_epochs=1,
+                     learning_rate=1e-3, lr_scheduler_type="linear", logging_steps=1, report_to="none",
+                     save_strategy="no", **settings)
+    trainer = SFTTrainer(model=make_llama(len(tokenizer), seed=1), args=args, processing_class=tokenizer,
+                         train_dataset=toy_dataset(), eval_dataset=toy_dataset(1))
+    with caplog.at_level(logging.WARNING, logger="sft.training.schedule"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert [r.getMessage() for r in caplog.records if r.name == "sft.training.schedule"] == warnings
+    rates = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+    if settings.get("warmup_steps") == 5:  # what the warning says: the rate never gets near learning_rate
+        assert rates == pytest.approx([0.0, 0.2e-3])

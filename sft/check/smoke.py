@@ -127,7 +127,9 @@ def cpu_overrides(config: SFTConfig, report: CheckReport, tmp: Path) -> dict:
                  "load_best_model_at_end": False, "early_stopping_patience": None,
                  "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, "gradient_accumulation_steps": 1,
                  "max_length": config.max_length, "dataloader_num_workers": 0, "overwrite_output_dir": True,
-                 "bnb_4bit_compute_dtype": "float32", "push_to_hub": False}
+                 "bnb_4bit_compute_dtype": "float32", "push_to_hub": False,
+                 # the recipe's warmup is for its real run's length, not the 2 steps (sft train warns of one too long)
+                 "warmup_steps": 0}
     attn = config.attn_implementation or ""
     if attn.startswith("flash") or attn == VARLEN:  # half-precision GPU kernels; the smoke run is fp32, maybe on CPU
         report.skipped.append(f"attn_implementation={attn}")

@@ -34,6 +34,7 @@ from sft.training.inputs import trainer_datasets
 from sft.training.loss import EvalTokenSums, TokenLoss
 from sft.training.masters import loaded_in_float32, master_weights
 from sft.training.neftune import NEFTune
+from sft.training.schedule import RunLengthCheck
 from sft.training.signals import StopOnSignal
 from sft.training.throughput import STATE_KEY, ThroughputLog
 
@@ -94,6 +95,7 @@ class SFTMixin(sampling.EpochSeededSampling):
         self.add_callback(self.stop_on_signal)
         self.divergence = DivergenceGuard(self.accelerator)
         self.add_callback(self.divergence)  # after StopOnSignal: a diverged step is not saved on a signal either
+        self.add_callback(RunLengthCheck())
         patience = getattr(self.args, "early_stopping_patience", None)
         self.early_stopping = None if patience is None else EarlyStoppingCallback(
             patience, self.args.early_stopping_threshold)  # its count is saved with each checkpoint
