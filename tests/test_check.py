@@ -296,3 +296,14 @@ def test_the_two_step_smoke_run_does_not_warn_of_the_recipes_warmup(caplog):
     with caplog.at_level(logging.WARNING, logger="sft"):
         assert main(["check", "recipes/quickstart-chat.yaml"]) == 0
     assert [r.getMessage() for r in caplog.records if r.name == "sft.training.schedule"] == []
+
+
+def test_check_puts_sft_trains_warnings_in_its_table_instead_of_a_plain_ok(capsys):
+    """quickstart at max_length 48 drops or cuts most of its sample rows before their EOS; the check printed the
+    warning among its log lines and ended "OK: the recipe is sound."."""
+    assert main(["check", "recipes/quickstart.yaml", "--max_length", "48"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "OK: the recipe runs, with 2 warning(s) above."
+    assert out[-3].startswith("WARNING: Training data: 44 of 56 rows (79%) do not fit max_length=48: 27 dropped")
+    assert out[-2].startswith("WARNING: Eval data: 5 of 8 rows are longer than max_length=48 and truncated.")
+    assert "OK: the recipe is sound." not in out

@@ -6,10 +6,12 @@ generation eval, ...) run for 2 training steps and a short eval. GPU-only settin
 so are multi-process ones (distributed presets, fsdp, deepspeed), with how `sft train` needs them launched.
 """
 
+import contextlib
 import dataclasses
 import logging
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -66,6 +68,7 @@ class CheckReport:
     launch: str = ""  # the multi-process keys skipped, and how the recipe must be started
     metrics: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    warnings: list[str] = dataclasses.field(default_factory=list)  # what sft train warned of in the smoke run
 
     def table(self) -> str:
         rows = [("recipe", self.recipe), ("architecture", f"tiny {self.model_type} (2 layers, hidden 64)"),
@@ -74,7 +77,12 @@ class CheckReport:
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in self.metrics.items()]
         rows.append(("time", f"{self.seconds:.1f} s"))
         width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + "\nOK: the recipe is sound."
+        table = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+        if not self.warnings:
+            return table + "\nOK: the recipe is sound."
+        # a run that trains to exit 0 and still wastes itself (most answers cut, ...): the check is not a plain OK
+        return "\n".join([table, *(f"WARNING: {w}" for w in self.warnings),
+                          f"OK: the recipe runs, with {len(self.warnings)} warning(s) above."])
 
 
 def check_recipe(path: str, flags: list[str] | None = None) -> CheckReport:
@@ -84,7 +92,8 @@ def check_recipe(path: str, flags: list[str] | None = None) -> CheckReport:
         config, values, report = tiny_recipe(path, flags, Path(tmp))
         from sft.training.flows import train
 
-        run_dir = train(load_recipe(values))
+        with warnings_of_sft(report.warnings):
+            run_dir = train(load_recipe(values))
         report.metrics = _final_metrics(run_dir)
     # sft train checked metric_for_best_model against a user metric function's keys on a trial call; the smoke's
     # evaluation ran it on real predictions, whose keys may differ
@@ -93,6 +102,20 @@ def check_recipe(path: str, flags: list[str] | None = None) -> CheckReport:
         check_best_metric(config.metric_for_best_model, reported, config.predict_with_generate)
     report.seconds = time.perf_counter() - start
     return report
+
+
+@contextlib.contextmanager
+def warnings_of_sft(found: list[str]) -> Iterator[None]:
+    """Collect into `found` the warnings sft logs meanwhile (sft train's on the recipe's data and schedule), which
+    the check's log showed above a table ending "OK: the recipe is sound."."""
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: found.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("sft")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 def tiny_recipe(path: str, flags: list[str] | None, folder: Path) -> tuple[SFTConfig, dict, CheckReport]:
