@@ -607,3 +607,31 @@ def test_a_template_the_sandbox_refuses_is_named_not_the_row(chatml_tok):
     assert "rejected the conversation (SecurityError: access to attribute 'append' of 'list' object is unsafe.)" in message
     assert "changes a list or dict in place" in message and "{% set x = x + [item] %}" in message
     assert "Fix the row's messages" not in message
+
+
+@pytest.mark.skipif(not TOKENIZERS.is_dir(), reason=f"real tokenizers not found at {TOKENIZERS} (set SFT_FIXTURES)")
+@pytest.mark.parametrize("tokenizer, preset, new", [
+    ("meta-llama-3-8b-instruct", "chatml", "<|im_start|>, <|im_end|>"),
+    ("qwen2.5-coder-3b-instruct", "llama3", "<|begin_of_text|>, <|start_header_id|>, <|end_header_id|>, <|eot_id|>"),
+    ("mistral-7b-instruct-v0.3", "mistral_v3", None),  # the model's own format: its tokens are in the vocabulary
+    ("qwen2.5-coder-3b-instruct", "chatml", None),
+])
+def test_a_preset_of_another_family_over_the_tokenizers_own_template_warns(tmp_path, caplog, tokenizer, preset, new):
+    """chatml on Llama-3-Instruct's tokenizer, or llama3 on Qwen's, replaced the model's own template with a format
+    whose special tokens it lacks (new rows, untrained) and only said so at INFO: `sft check` printed OK."""
+    import logging
+
+    from sft.data.tokenizer import load_tokenizer
+    from sft.training.recipe import load_recipe
+
+    config = load_recipe({"model_name_or_path": str(REPO / "data" / "models" / "tiny-llama"),
+                          "tokenizer_name_or_path": str(TOKENIZERS / tokenizer), "dataset": "data/chat_sample.jsonl",
+                          "chat_template": preset, "output_dir": str(tmp_path / "run")})
+    with caplog.at_level(logging.INFO, logger="sft.data.tokenizer"):
+        load_tokenizer(config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("sft")]
+    expected = (f"chat_template {preset} replaces the tokenizer's own chat template, and its {new} are not in the "
+                "tokenizer's vocabulary: they are added with untrained embeddings, and the run teaches the model a "
+                "format it has never seen instead of its own. Leave chat_template unset to train in the model's own "
+                "format.")
+    assert warnings == ([] if new is None else [expected])

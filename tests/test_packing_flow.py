@@ -139,7 +139,8 @@ def test_a_max_length_that_cuts_most_rows_is_warned_of(tmp_path, capsys, caplog,
         assert lines == [] and cut <= 0.05 * total
         return
     assert cut > 0.05 * total and stats["truncated_rows"] > 0
-    assert lines == [f"Training data: {cut:,} of {total:,} rows ({cut / total:.0%}) do not fit max_length=48: "
-                     f"{stats['dropped_rows']:,} dropped (no trained token fits), {stats['truncated_rows']:,} cut, each "
-                     "losing the end of its answer, EOS or end of turn included, which the model then never learns to "
-                     "write. Raise max_length, or shorten the rows."]
+    expected = (f"Training data: {cut:,} of {total:,} rows ({cut / total:.0%}) do not fit max_length=48: "
+                f"{stats['dropped_rows']:,} dropped (no trained token fits), {stats['truncated_rows']:,} cut, each "
+                "losing the end of its answer, EOS or end of turn included, which the model then never learns to "
+                "write. Raise max_length, or shorten the rows.")
+    assert lines == [expected]

@@ -225,15 +225,15 @@ def test_a_users_collator_makes_the_labels(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("settings, warnings", [
-    ({"warmup_steps": 5}, ["warmup_steps=5 is 5 optimizer steps, and the run has 2: the learning rate rises for the "
-                           "whole run, reaches at most 20% of learning_rate=0.001 and never decays. Set warmup_steps "
-                           "below 2, or as a share of the run (warmup_steps: 0.03)."]),
+    ({"warmup_steps": 5}, [("warmup_steps=5 is 5 optimizer steps, and the run has 2: the learning rate rises for the "
+                            "whole run, reaches at most 20% of learning_rate=0.001 and never decays. Set warmup_steps "
+                            "below 2, or as a share of the run (warmup_steps: 0.03).")]),
     ({"warmup_steps": 1}, []),
     ({"warmup_steps": 0.5}, []),  # a share: 1 of the 2 steps
     ({"eval_strategy": "steps", "eval_steps": 3},
-     ["eval_steps=3 is beyond the run's 2 optimizer steps: no evaluation runs during training (only the final one), "
-      "so nothing is compared for load_best_model_at_end or early stopping. Set eval_steps below 2, or as a share of "
-      "the run (eval_steps: 0.1)."]),
+     [("eval_steps=3 is beyond the run's 2 optimizer steps: no evaluation runs during training (only the final one), "
+       "so nothing is compared for load_best_model_at_end or early stopping. Set eval_steps below 2, or as a share of "
+       "the run (eval_steps: 0.1).")]),
     ({"eval_strategy": "steps", "eval_steps": 2}, []),
 ])
 def test_step_counts_the_run_never_reaches_are_warned_of(tmp_path, tokenizer, caplog, settings, warnings):

@@ -47,10 +47,17 @@ def load_tokenizer(config: SFTConfig) -> PreTrainedTokenizerBase:
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str) -> None:
     """Set the recipe's chat template on the tokenizer (saved with it); presets add their special tokens."""
+    own = tokenizer.chat_template  # the model's own format, which a preset of another family replaces
     tokenizer.chat_template = resolve_chat_template(chat_template, tokenizer)
     if chat_template in PRESETS:
         new_tokens = prepare_tokenizer_for_template(tokenizer, chat_template)
-        if new_tokens:
+        if new_tokens and own:
+            # llama3 on a Qwen tokenizer, chatml on Llama-3's: every answer ends on a token the model has never seen
+            log.warning("chat_template %s replaces the tokenizer's own chat template, and its %s are not in the "
+                        "tokenizer's vocabulary: they are added with untrained embeddings, and the run teaches the "
+                        "model a format it has never seen instead of its own. Leave chat_template unset to train in "
+                        "the model's own format.", chat_template, ", ".join(new_tokens))
+        elif new_tokens:
             log.info("Added %s for the %s chat template; embeddings grow to fit.", ", ".join(new_tokens), chat_template)
 
 

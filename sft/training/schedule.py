@@ -17,7 +17,7 @@ class RunLengthCheck(TrainerCallback):
             log.warning(problem)
 
 
-def run_length_problems(args: TrainingArguments, steps: int, eval_steps: int | float | None) -> list[str]:
+def run_length_problems(args: TrainingArguments, steps: int, eval_steps: float | None) -> list[str]:
     """What of the schedule a run of `steps` optimizer steps never reaches: the end of its warmup (quickstart-chat's
     36 steps with warmup_steps 200 peaked at 17.5% of learning_rate and ended at eval loss 3.23 against 1.87 with
     warmup 5), or its first evaluation under eval_strategy steps."""
