@@ -144,3 +144,20 @@ def test_a_max_length_that_cuts_most_rows_is_warned_of(tmp_path, capsys, caplog,
                 "losing the end of its answer, EOS or end of turn included, which the model then never learns to "
                 "write. Raise max_length, or shorten the rows.")
     assert lines == [expected]
+
+
+def test_the_cut_rows_warning_of_an_encoder_decoder_keeps_its_targets_eos(monkeypatch, capsys, caplog):
+    """An encoder-decoder's cut rows lose their source's or target's tail, never the target's EOS (sft.data.seq2seq
+    keeps it): the warning does not say the model never learns to stop."""
+    import logging
+
+    monkeypatch.chdir(REPO)
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        assert main(["data", "recipes/quickstart-seq2seq.yaml", "--json", "--max_length", "16"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Training data:")]
+    cut = stats["truncated_rows"]
+    expected = (f"Training data: {cut:,} of {stats['rows']:,} rows ({cut / stats['rows']:.0%}) do not fit "
+                f"max_length=16: 0 dropped (no trained token fits), {cut:,} cut, each losing the tail of its source or "
+                "target (the target keeps its EOS). Raise max_length, or shorten the rows.")
+    assert stats["dropped_rows"] == 0 and lines == [expected]

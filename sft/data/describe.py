@@ -9,6 +9,7 @@ from sft.data.formats import CHAT_FORMATS, Rendered
 from sft.data.sources import load_source, parse_sources
 from sft.data.stats import DataStats, compute_stats
 from sft.data.tokenizer import load_tokenizer
+from sft.errors import SFTError
 from sft.models.loading import generation_eos, is_encoder_decoder
 
 log = logging.getLogger(__name__)
@@ -37,10 +38,24 @@ def training_stats(train: Prepared, config: SFTConfig, packing_strategy: str | N
         stats.reasoning_tokens, stats.history, stats.split_rows = (train.reasoning_tokens, config.history,
                                                                    train.split_rows)
         stats.chat_template_kwargs = config.chat_template_kwargs or None
-    warning = stats.fit_warning(config.truncation_side)
+    warning = stats.fit_warning(what_truncation_cuts(config)) if stats.dropped_rows + stats.truncated_rows else None
     if warning:  # logged by `sft train` and `sft data` alike, before any training
         log.warning(warning)
     return stats
+
+
+def what_truncation_cuts(config: SFTConfig) -> str:
+    """What a row cut to max_length loses: an encoder-decoder's source or target tail (targets keep their EOS,
+    sft.data.seq2seq), else a decoder row's end (its last answer's, EOS included) or start."""
+    try:
+        seq2seq = is_encoder_decoder(config)
+    except SFTError:  # the model's config is out of reach here (`sft data` needs only the tokenizer)
+        seq2seq = False
+    if seq2seq:
+        return "the tail of its source or target (the target keeps its EOS)"
+    if config.truncation_side == "right":
+        return "the end of its answer, EOS or end of turn included, which the model then never learns to write"
+    return "the start of its prompt or answer"
 
 
 def _chat_examples(config: SFTConfig, tokenizer, count: int) -> list[dict] | None:
