@@ -307,3 +307,16 @@ def test_check_puts_sft_trains_warnings_in_its_table_instead_of_a_plain_ok(capsy
     assert out[-3].startswith("WARNING: Training data: 44 of 56 rows (79%) do not fit max_length=48: 27 dropped")
     assert out[-2].startswith("WARNING: Eval data: 5 of 8 rows are longer than max_length=48 and truncated.")
     assert "OK: the recipe is sound." not in out
+
+
+@pytest.mark.parametrize("recipe, tied", [("recipes/qwen2.5-0.5b-instruct/full.yaml", True),
+                                          ("recipes/llama-3.1-8b-instruct/lora.yaml", False)])
+def test_the_stand_in_ties_its_head_as_the_real_model_does(tmp_path, recipe, tied):
+    """Qwen2.5-0.5B ties its LM head to its embeddings; its stand-in was built from Qwen2Config's defaults, untied,
+    so the check (and --prove) ran a LoRA with lora_modules_to_save: [embed_tokens] on another layout than the run's."""
+    import json
+
+    from sft.check.smoke import tiny_recipe
+
+    tiny_recipe(recipe, None, tmp_path)
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["tie_word_embeddings"] is tied

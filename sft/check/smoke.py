@@ -230,6 +230,8 @@ def tiny_model(config: SFTConfig, report: CheckReport, folder: Path, real: Pretr
     # copies: on Llama-3's tokenizer id 2 is '#', and every check of a Llama recipe with its real tokenizer and an
     # unreachable model failed as "the tokenizer is not this model's". The stand-in uses its tokenizer's ids.
     tiny_config.pad_token_id = tokenizer.pad_token_id
+    if real is not None:  # Qwen2.5-0.5B ties its head to its embeddings, the architecture's default config does not
+        tiny_config.tie_word_embeddings = real.tie_word_embeddings
     tiny_config.bos_token_id, tiny_config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     if tiny_config.is_encoder_decoder:  # T5/BART configs made from scratch name no decoder start token
         tiny_config.decoder_start_token_id = tokenizer.pad_token_id
