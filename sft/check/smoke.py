@@ -242,6 +242,8 @@ def tiny_model(config: SFTConfig, report: CheckReport, folder: Path, real: Pretr
     if eos is not None:  # the recipe model's stop tokens end chat turns (GLM's <|observation|>), not the default's
         model.generation_config.eos_token_id = eos
     model.save_pretrained(folder)
+    if not own and config.chat_template:  # the embedded template is not the real tokenizer's, which the preset replaces
+        tokenizer.chat_template = None
     tokenizer.save_pretrained(folder)
     return {"model_name_or_path": str(folder), "tokenizer_name_or_path": None, "revision": None,
             "trust_remote_code": False}
