@@ -188,45 +188,6 @@ REASONING = {"qwen3": ("<think>\nThe user wants 2+2.\n</think>\n\nIt is 4.", "as
              "deepseekv3": ("The user wants 2+2.\n</think>\n\nIt is 4.", "<｜Assistant｜>\n\nIt is 4.<｜end▁of▁sentence｜>")}
 
 
-@pytest.mark.skipif(not QWEN.is_dir(), reason=f"real tokenizers not found at {QWEN} (set SFT_FIXTURES)")
-@pytest.mark.parametrize("template", REASONING)
-@pytest.mark.parametrize("special", [False, True])  # Qwen3 and R1 register the tags as plain added tokens
-def test_chat_keeps_the_think_tags_its_template_cuts_earlier_reasoning_at(template, special, monkeypatch, capsys):
-    """A tokenizer with <think> and </think> registered as special lost them to skip_special_tokens: `sft chat`
-    printed the reasoning run into the answer and kept it so in the history, and Qwen3's and DeepSeek-R1's templates
-    (which cut an earlier turn's reasoning at </think>) prompted the next turn with the reasoning as the answer."""
-    from tokenizers import AddedToken
-
-    tokenizer = AutoTokenizer.from_pretrained(QWEN)
-    tokenizer.add_tokens([AddedToken(tag, special=special, normalized=False) for tag in ("<think>", "</think>")],
-                         special_tokens=special)
-    tokenizer.chat_template = (FIXTURES / "templates" / f"{template}.jinja").read_text()
-    reply, earlier_turn = REASONING[template]
-    ids = tokenizer(reply + tokenizer.eos_token, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    prompts = []
-
-    def replay(input_ids, streamer, **_):  # the model "writes" the reply token by token
-        prompts.append(tokenizer.decode(input_ids[0]))
-        streamer.put(input_ids)
-        for token in ids[0]:
-            streamer.put(token[None])
-        streamer.end()
-        return torch.cat([input_ids, ids], dim=1)
-
-    monkeypatch.setattr(model, "generate", replay)
-    chat.chat(model, tokenizer, GenerationOptions(), stdin=io.StringIO("2+2?\nand 3+3?\n"))
-    assert earlier_turn in prompts[1] and "wants" not in prompts[1]
-    assert capsys.readouterr().out == f"assistant> {reply}\n" * 2
-
-
-REPLY_FAMILIES = [*((family_tokenizer, name) for name in sorted(FAMILIES)),
-                  *((wild_tokenizer, name) for name in sorted(WILD))]
-THINKING_PARTS = {"ministral_3_reasoning"}  # reads reasoning only as a {"type": "thinking"} content part
-TEXT_PARTS = {"idefics3", "llava_next"}  # reads content only as typed parts: a string renders nothing or fails
-
-
 def chat_twice(tokenizer, reply: str, stop: int, monkeypatch) -> list[str]:
     """The prompts of a two-turn `sft chat` whose model "writes" `reply` and `stop` token by token each turn."""
     ids = torch.tensor([tokenizer(reply, add_special_tokens=False)["input_ids"] + [stop]])
@@ -245,6 +206,31 @@ def chat_twice(tokenizer, reply: str, stop: int, monkeypatch) -> list[str]:
     monkeypatch.setattr(model, "generate", replay)
     chat.chat(model, tokenizer, GenerationOptions(), stdin=io.StringIO("2+2?\nand 3+3?\n"))
     return prompts
+
+
+@pytest.mark.skipif(not QWEN.is_dir(), reason=f"real tokenizers not found at {QWEN} (set SFT_FIXTURES)")
+@pytest.mark.parametrize("template", REASONING)
+@pytest.mark.parametrize("special", [False, True])  # Qwen3 and R1 register the tags as plain added tokens
+def test_chat_keeps_the_think_tags_its_template_cuts_earlier_reasoning_at(template, special, monkeypatch, capsys):
+    """A tokenizer with <think> and </think> registered as special lost them to skip_special_tokens: `sft chat`
+    printed the reasoning run into the answer and kept it so in the history, and Qwen3's and DeepSeek-R1's templates
+    (which cut an earlier turn's reasoning at </think>) prompted the next turn with the reasoning as the answer."""
+    from tokenizers import AddedToken
+
+    tokenizer = AutoTokenizer.from_pretrained(QWEN)
+    tokenizer.add_tokens([AddedToken(tag, special=special, normalized=False) for tag in ("<think>", "</think>")],
+                         special_tokens=special)
+    tokenizer.chat_template = (FIXTURES / "templates" / f"{template}.jinja").read_text()
+    reply, earlier_turn = REASONING[template]
+    prompts = chat_twice(tokenizer, reply, tokenizer.eos_token_id, monkeypatch)
+    assert earlier_turn in prompts[1] and "wants" not in prompts[1]
+    assert capsys.readouterr().out == f"assistant> {reply}\n" * 2
+
+
+REPLY_FAMILIES = [*((family_tokenizer, name) for name in sorted(FAMILIES)),
+                  *((wild_tokenizer, name) for name in sorted(WILD))]
+THINKING_PARTS = {"ministral_3_reasoning"}  # reads reasoning only as a {"type": "thinking"} content part
+TEXT_PARTS = {"idefics3", "llava_next"}  # reads content only as typed parts: a string renders nothing or fails
 
 
 @pytest.mark.skipif(not (FIXTURES / "templates").is_dir(), reason="fixture chat templates not found (set SFT_FIXTURES)")
