@@ -205,7 +205,7 @@ def add_generation_options(sub: argparse.ArgumentParser) -> None:
                           "on (auto: what an sft run trained on, from its data_stats.json; else the chat template "
                           "if the tokenizer has one; for an encoder-decoder, the message as is)")
     sub.add_argument("--chat_template_kwargs", help="chat template variables as a YAML mapping, e.g. "
-                     "'{enable_thinking: false}' (default: those of the run's recipe.yaml, as its masks trained)")
+                     "'{enable_thinking: false}' (default: those the run trained with, from its data_stats.json)")
     sub.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="weights dtype (auto: as saved)")
     sub.add_argument("--base_model", help="for adapters: use this base instead of the one in adapter_config.json")
     add_allow_pickle(sub)
