@@ -9,6 +9,8 @@ import pyarrow.compute as pc
 from sft.data.encode import IGNORE_INDEX
 from sft.data.packing import estimate_packing
 
+CUT_SHARE = 0.05  # rows beyond max_length's reach: a few long outliers are common, past 5% max_length is below p95
+
 
 @dataclass
 class DataStats:
@@ -55,8 +57,6 @@ class DataStats:
                 f"{self.max_length}: {self.dropped_rows:,} dropped (no trained token fits), {self.truncated_rows:,} "
                 f"cut, each losing {lost}. Raise max_length, or shorten the rows.")
 
-
-CUT_SHARE = 0.05  # rows beyond max_length's reach: a few long outliers are common, past 5% max_length is below p95
 
 
 def _fmt(key: str, value: float | int | str | dict) -> str:

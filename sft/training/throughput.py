@@ -33,8 +33,8 @@ class ThroughputLog:
                                else inputs["input_ids"].numel() - packed_padding(inputs, self.pad_token_id))
         labels = inputs.get("labels")
         if isinstance(labels, torch.Tensor):  # a user's collator may give labels None (DataCollatorForSeq2Seq)
-            # A row's first label is no causal target: counted, a user's labels = input_ids (or text rows of a
-            # tokenizer without BOS) logged one trained token per row more than the loss trains (40 vs 36).
+            # A row's first label is no causal target: counted, a user's labels = input_ids logged one trained token
+            # per row more than the loss trains (40 vs 36); sft's own rows never train their first label.
             self.pending_trained += (loss_targets(labels, self.shifted) != IGNORE_INDEX).sum()
 
     def add_to(self, logs: dict[str, float], reduce: Reduce = lambda t: t) -> dict[str, float]:
