@@ -116,7 +116,7 @@ def test_json_contract(capsys):
     assert (plan["overrides"] == []) == plan["fits"]
     assert plan["peak_gib"] >= plan["breakdown"]["training peak"] and plan["total_gib"] > plan["peak_gib"]
     assert {"weights", "gradients", "optimizer states", "activations"} <= set(plan["breakdown"])
-    assert plan["breakdown"]["weights"] < 8  # 4-bit layers + float32 embeddings, not 16 GB of bf16
+    assert plan["breakdown"]["weights"] < 8  # 4-bit layers + bf16 embeddings, not 16 GB of bf16
 
 
 @pytest.mark.parametrize("path,gpu,gpus", [

@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
+from sft.models.adapters import upcasts_quantized_base
 from sft.models.families import has_plain_head
 from sft.training.loss import chunk_rows
 
@@ -170,6 +171,13 @@ def activation_scale(config: SFTConfig) -> int:
     return 1 if (config.bf16 or config.fp16) else 2
 
 
+def activation_mix(config: SFTConfig, setup: Setup) -> str:
+    """The LAYER_BYTES row a method's activations follow: QLoRA's own (a float32 residual stream and head) where k-bit
+    preparation upcasts the base (sft.models.adapters.upcasts_quantized_base), else a bf16 QLoRA keeps what LoRA does
+    (its 4-bit layers save their bf16 input as a linear layer does; MemTracker, tests/test_plan.py)."""
+    return "lora" if setup.method == "qlora" and not upcasts_quantized_base(config) else setup.method
+
+
 def planned_budget(config: SFTConfig) -> float:
     """The measured partitioner budget (COMPILED_SAVINGS) the recipe's activation_memory_budget is planned as: one
     between 0.8 and 1 as 1, one at or below 0.8 as 0.8 (a lower budget never keeps more): an upper bound."""
@@ -192,16 +200,17 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
     scale = activation_scale(config)
     text = text_config(arch)
     h, q, i = text.hidden_size, text.num_attention_heads * head_dim(text), mlp_width(text)
-    ch, cq, ci = LAYER_BYTES[setup.method]
+    mix = activation_mix(config, setup)
+    ch, cq, ci = LAYER_BYTES[mix]
     saved_h, saved_q, saved_i = compiled_savings(config, setup) or (0.0, 0.0, 0.0)
     ch, cq, ci = ch - saved_h, cq - saved_q, ci - saved_i
     layer = int(tokens * (ch * h + cq * q + ci * i) * scale)
     if model:
-        layer += model.layer_merged_bytes + tokens * NORM_BYTES[setup.method] * model.extra_norm_width * scale
+        layer += model.layer_merged_bytes + tokens * NORM_BYTES[mix] * model.extra_norm_width * scale
     # eager keeps each head's T x T probabilities: float32 and bf16 copy
     if (model.attention if model else config.attn_implementation) == "eager":
         layer += tokens * setup.max_length * text.num_attention_heads * EAGER_SCORE_BYTES * scale
-    residual = 4 if setup.method == "qlora" else 2 * scale  # k-bit preparation keeps the residual in float32
+    residual = 4 if mix == "qlora" else 2 * scale  # k-bit preparation keeps the residual in float32
     saved = text.num_hidden_layers * (tokens * residual * h if setup.checkpointing else layer)
     head = head_bytes(config, arch, setup, tokens, head_trainable)
     backward = layer + tokens * BACKWARD_I_BYTES * i * scale if setup.checkpointing and setup.method != "full" else 0
@@ -226,7 +235,7 @@ def head_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: 
     logits = min(chunk_rows(vocab), tokens) * vocab * 6
     # the head's gradient is accumulated in float32 and scaled once more in backward (2 x 4 bytes) then cast
     weight_grad = vocab * h * 10 if trainable else 0
-    if setup.method == "qlora":  # k-bit preparation made the head float32: autocast casts it to bf16 per chunk
+    if activation_mix(config, setup) == "qlora":  # k-bit preparation made the head float32: autocast casts it
         weight_grad += vocab * h * 2
     return logits + weight_grad + tokens * h * 4
 
@@ -299,7 +308,8 @@ def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, 
     is larger (`arch`: the text model's config)."""
     vocab, h = arch.vocab_size, arch.hidden_size
     scale = activation_scale(config)
-    ch, ci = EVAL_LAYER_BYTES[setup.method]
+    mix = activation_mix(config, setup)
+    ch, ci = EVAL_LAYER_BYTES[mix]
     decoder = (tokens * (ch * h + ci * mlp_width(arch)) * scale + tokens * setup.max_length  # + bool mask
                + model.layer_merged_bytes)
     # the last hidden state and its trained rows, the float32 token losses (chunked_token_losses' output and
@@ -307,7 +317,7 @@ def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, 
     # bf16 product beside the head's bf16 cast (k-bit preparation made a QLoRA head float32; autocast casts it per
     # chunk), whichever is larger (traced: the previous chunk's are freed first)
     rows = min(chunk_rows(vocab), tokens)
-    cast = vocab * h * 2 if setup.method == "qlora" else 0
+    cast = vocab * h * 2 if mix == "qlora" else 0
     head = tokens * 2 * h * 2 * scale + tokens * 8 + max(rows * vocab * 8, rows * vocab * 2 + cast)
     # autocast keeps its bf16 copy of every float32 adapter weight until the forward ends
     adapters = 2 * model.trainable if setup.method != "full" and scale == 1 else 0

@@ -289,6 +289,10 @@ def plan_recipe(config: SFTConfig, gpu: GPU, num_gpus: int = 1, num_nodes: int =
         raise SFTError("--num_gpus and --num_nodes must be at least 1.")
     arch = arch or model_architecture(config.model_name_or_path, config.revision)
     text = text_config(arch)  # refuses what the formulas do not describe
+    # planned as it must run there: fp16 keeps a QLoRA base's float32 upcast, which bf16 skips
+    fp16 = {} if gpu.bf16 else fp16_settings(config)
+    config = copy.copy(config)
+    config.__dict__.update(fp16)
     setup = setup_of(config, num_gpus, num_nodes)
     models = {setup.method: model_facts(config, arch, setup.method)}
     plan = make_plan(config, arch, gpu, setup, models[setup.method])
@@ -297,8 +301,8 @@ def plan_recipe(config: SFTConfig, gpu: GPU, num_gpus: int = 1, num_nodes: int =
                   f"hidden {text.hidden_size}, vocabulary {text.vocab_size}",
                   f"{gpu.name}: {gpu.bf16_tflops:g} dense {'bf16' if gpu.bf16 else 'fp16'} TFLOP/s at an assumed "
                   f"{gpu.mfu:.0%} utilisation"]
-    if not gpu.bf16:
-        plan.unsupported = fp16_advice(config, gpu)
+    if fp16:
+        plan.unsupported = fp16_advice(fp16, gpu)
     if config.torch_compile:
         plan.notes.append(compile_note(config, setup))
     if not plan.fits:
@@ -306,17 +310,21 @@ def plan_recipe(config: SFTConfig, gpu: GPU, num_gpus: int = 1, num_nodes: int =
     return plan
 
 
-def fp16_advice(config: SFTConfig, gpu: GPU) -> str | None:
-    """The flags that move a recipe's bfloat16 settings to a card without bf16 (a T4, a V100), or None when it has
+def fp16_settings(config: SFTConfig) -> dict[str, object]:
+    """The settings that move a recipe's bfloat16 ones to a card without bf16 (a T4, a V100); empty when it has
     none. Weights loaded in bfloat16 and 4-bit compute in bfloat16 would run there too, as slow emulation."""
-    flags = ["--bf16 false --fp16 true"] if config.bf16 else []
+    settings: dict[str, object] = {"bf16": False, "fp16": True} if config.bf16 else {}
     if config.dtype == "bfloat16":  # fp16 mixed precision needs float32 weights to train them (GradScaler)
-        flags.append(f"--dtype {'float16' if config.use_peft else 'float32'}")
-    flags += [f"--{key} float16" for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
-              if getattr(config, key) == "bfloat16"]
-    if not flags:
-        return None
-    return f"{gpu.name} has no bf16 (sft train refuses bf16: true there): add {' '.join(flags)}"
+        settings["dtype"] = "float16" if config.use_peft else "float32"
+    settings.update({key: "float16" for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
+                     if getattr(config, key) == "bfloat16"})
+    return settings
+
+
+def fp16_advice(settings: dict[str, object], gpu: GPU) -> str:
+    """What to add to run on `gpu` (no bf16) the recipe planned with fp16_settings."""
+    flags = " ".join(f"--{key} {str(value).lower()}" for key, value in settings.items())
+    return f"{gpu.name} has no bf16 (sft train refuses bf16: true there): add {flags}"
 
 
 def compile_note(config: SFTConfig, setup: Setup) -> str:
