@@ -66,11 +66,11 @@ def test_planner_matches_fake_tensor_step_on_a_shallow_llama(method, micro, leng
 
 
 @pytest.mark.parametrize("term,wrong", [
-    ("LAYER_BYTES", {"full": (16.0, 8.0, 0.0), "lora": (40.4, 14.2, 13.0), "qlora": (38.4, 14.2, 12.2)}),
-    ("BACKWARD_I_BYTES", 0)])
+    ("LAYER_BYTES", {"full": (16.0, 8.0, 0.0), "lora": (30.4, 12.2, 11.0), "qlora": (38.4, 14.2, 12.2)}),
+    ("BACKWARD_I_BYTES", 11)])
 def test_a_wrong_formula_term_is_caught_by_the_trace(monkeypatch, term, wrong):
-    """Negative control: dropping the MLP's saved activations, or the recomputed layer's gradient temporaries,
-    moves the plan outside the 10% band (so the comparison can fail)."""
+    """Negative control: dropping the MLP's saved activations, or planning the recomputed layer's gradient
+    temporaries as they were while peft cast adapter inputs to float32, moves the plan outside the 10% band."""
     arch = small_arch(layers=4)
     method = "full" if term == "LAYER_BYTES" else "lora"
     values = recipe("meta-llama/Llama-3.2-1B", method, 4, 2048, checkpointing=term != "LAYER_BYTES")
@@ -119,16 +119,16 @@ def test_json_contract(capsys):
     assert plan["breakdown"]["weights"] < 8  # 4-bit layers + bf16 embeddings, not 16 GB of bf16
 
 
-@pytest.mark.parametrize("path,gpu,gpus", [
-    ("llama-3.1-8b-instruct/lora.yaml", "T4-16GB", 1),
-    ("llama-3.1-8b-instruct/full-fsdp.yaml", "A100-40GB", 2),
-    ("mistral-7b/zephyr-qlora.yaml", "T4-16GB", 1),
-    ("alpaca-llama3-8b-lora.yaml", "T4-16GB", 1)])
-def test_overrides_that_make_it_fit_do_fit_when_replanned(path, gpu, gpus):
-    config = load_recipe(REPO / "recipes" / path)
+@pytest.mark.parametrize("path,given,gpu,gpus", [
+    ("llama-3.1-8b-instruct/lora.yaml", [], "T4-16GB", 1),
+    ("llama-3.1-8b-instruct/full-fsdp.yaml", [], "A100-40GB", 2),
+    ("mistral-7b/zephyr-qlora.yaml", ["--per_device_train_batch_size", "8"], "T4-16GB", 1),
+    ("alpaca-llama3-8b-lora.yaml", [], "T4-16GB", 1)])
+def test_overrides_that_make_it_fit_do_fit_when_replanned(path, given, gpu, gpus):
+    config = load_recipe(REPO / "recipes" / path, flags=given)
     plan = planner.plan_recipe(config, find_gpu(gpu), gpus)
     assert not plan.fits and plan.overrides
-    flags = [part for flag in plan.overrides for part in shlex.split(flag)]
+    flags = given + [part for flag in plan.overrides for part in shlex.split(flag)]
     replanned = planner.plan_recipe(load_recipe(REPO / "recipes" / path, flags=flags), find_gpu(gpu), gpus)
     assert replanned.fits and replanned.overrides == []
 

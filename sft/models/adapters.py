@@ -28,6 +28,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.families import non_text_towers
+from sft.models.precision import adapter_inputs_as_they_come, upcast_trained_copies, upcasts_quantized_base
 
 log = logging.getLogger(__name__)
 # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` on every adapter it builds or loads.
@@ -138,6 +139,7 @@ def add_adapter(model: PreTrainedModel, config: SFTConfig, new_token_ids: list[i
         raise SFTError(f"Cannot add the LoRA adapter: {str(err).splitlines()[0]} {fix}") from None
     if quantized:
         upcast_trained_copies(peft_model)
+    adapter_inputs_as_they_come(peft_model)
     if new_rows:
         save_new_rows_only(peft_model)
     # adapter_config.json names the base; a local one by absolute path, so merge/generate work from any folder
@@ -214,19 +216,6 @@ def prepare_quantized_base(model: PreTrainedModel, config: SFTConfig) -> None:
     else:
         model.requires_grad_(False)
     keep_cpu_4bit_layers_differentiable(model)
-
-
-def upcasts_quantized_base(config: SFTConfig) -> bool:
-    """Whether a quantized base's non-quantized weights train in float32 (peft's k-bit preparation): all but bf16."""
-    return not config.bf16
-
-
-def upcast_trained_copies(model: nn.Module) -> None:
-    """Make trained 16-bit weights float32: peft upcasts its adapters itself, not a lora_modules_to_save copy of a
-    bf16 layer, which AdamW would update with steps below bf16's precision rounded away."""
-    for param in model.parameters():
-        if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
-            param.data = param.data.float()
 
 
 def keep_cpu_4bit_layers_differentiable(model: PreTrainedModel) -> None:
@@ -339,6 +328,7 @@ def load_trained_adapter(model: PreTrainedModel, folder: str | Path, config: SFT
     peft_model = load_saved_adapter(model, folder, is_trainable=config.use_peft)
     if quantized:
         upcast_trained_copies(peft_model)
+    adapter_inputs_as_they_come(peft_model)
     if peft_model.peft_config["default"].trainable_token_indices:
         save_new_rows_only(peft_model)
     log_trainable_parameters(peft_model)

@@ -13,17 +13,18 @@ from transformers import PretrainedConfig
 
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
-from sft.models.adapters import upcasts_quantized_base
 from sft.models.families import has_plain_head
+from sft.models.precision import upcasts_quantized_base
 from sft.training.loss import chunk_rows
 
 GIB = 2 ** 30
 # Bytes a token keeps per decoder layer without checkpointing, as multiples of (hidden, attention width
 # heads*head_dim, MLP width), for bf16 compute. Full: two RMSNorms keep their fp32 input, normalised and output
 # copies (16h); attention keeps q, repeated k/v, output and o_proj's input (8q); the gated MLP keeps gate, silu,
-# up and their product (8i). LoRA adds per adapted linear its dropout mask and fp32/bf16 input copies; QLoRA's
+# up and their product (8i). LoRA adds per adapted linear its dropout mask and input copy (bf16: under autocast sft
+# skips peft's float32 cast, sft.models.precision, which kept 10h + 2q + 2i more); QLoRA's
 # float32 residual stream (k-bit preparation) changes the mix. Measured with MemTracker, see tests/test_plan.py.
-LAYER_BYTES = {"full": (16.0, 8.0, 8.0), "lora": (40.4, 14.2, 13.0), "qlora": (38.4, 14.2, 12.2)}
+LAYER_BYTES = {"full": (16.0, 8.0, 8.0), "lora": (30.4, 12.2, 11.0), "qlora": (38.4, 14.2, 12.2)}
 # What torch_compile takes off LAYER_BYTES, in the same units, where sft compiles each block in place (one GPU, DDP)
 # by (method, partitioner budget): inductor's partitioner recomputes fused elementwise ops (norms, SwiGLU's product,
 # LoRA's dropout and casts) instead of keeping their outputs; at budget 0.8 it recomputes all elementwise ops, no
@@ -32,9 +33,10 @@ LAYER_BYTES = {"full": (16.0, 8.0, 8.0), "lora": (40.4, 14.2, 13.0), "qlora": (3
 # within 0.2%); tests/test_plan.py measures them on another width. QLoRA and sharded runs (accelerate compiles the
 # whole model there) are planned as eager: not measured, an upper bound.
 COMPILED_SAVINGS = {("full", 1.0): (8.0, 0.0, 2.0), ("full", 0.8): (12.0, 0.0, 4.0),
-                    ("lora", 1.0): (19.0, 3.0, 5.0), ("lora", 0.8): (29.875, 3.25, 7.375)}
-# Gradient temporaries of the MLP (bytes per token per MLP width) while a recomputed LoRA layer runs backward.
-BACKWARD_I_BYTES = 11
+                    ("lora", 1.0): (9.0, 1.0, 3.0), ("lora", 0.8): (19.875, 1.25, 5.375)}
+# Gradient temporaries of the MLP (bytes per token per MLP width) while a recomputed LoRA layer runs backward
+# (11 while peft's float32 input copies ran; MemTracker, tests/test_plan.py).
+BACKWARD_I_BYTES = 4
 # Per normalized element, bytes a norm beyond LAYER_BYTES' two keeps for backward (Model.extra_norm_width): full
 # keeps its float32 input and normalized copy as those two do (8, 16h for two); under LoRA the adapted layers' input
 # copies (counted in LAYER_BYTES) share part of it. Fitted to MemTracker on 16-layer Qwen3-0.6B, OLMo-2-1B and
@@ -173,7 +175,7 @@ def activation_scale(config: SFTConfig) -> int:
 
 def activation_mix(config: SFTConfig, setup: Setup) -> str:
     """The LAYER_BYTES row a method's activations follow: QLoRA's own (a float32 residual stream and head) where k-bit
-    preparation upcasts the base (sft.models.adapters.upcasts_quantized_base), else a bf16 QLoRA keeps what LoRA does
+    preparation upcasts the base (sft.models.precision.upcasts_quantized_base), else a bf16 QLoRA keeps what LoRA does
     (its 4-bit layers save their bf16 input as a linear layer does; MemTracker, tests/test_plan.py)."""
     return "lora" if setup.method == "qlora" and not upcasts_quantized_base(config) else setup.method
 
