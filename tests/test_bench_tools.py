@@ -66,6 +66,8 @@ def test_profiled_kernels_are_sorted_by_kind_from_their_names():
     Liger) are bare identifiers; a C++ elementwise kernel is not one, though its name also ends in `kernel`."""
     kinds = {"nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT": "matmul", "sm90_xmma_gemm_bf16bf16_bf16f32_f32": "matmul",
              "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>(Flash_fwd_params)": "attention",
+             "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8, "
+             "2, 4, 2, false, false, cutlass::bfloat16_t>>": "attention",
              "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
              "Memcpy DtoD (Device -> Device)": "copy/cast", "triton_poi_fused_add_mul_silu_0": "triton",
              "_rms_norm_forward_kernel": "triton", "liger_cross_entropy_kernel": "triton",
