@@ -45,6 +45,8 @@ WRITE_PROBE = ".sft-write-test-"
 # Held (flock) by the process writing a run's files: never foreign, recorded or removed by another run's overwrite.
 LOCK = ".sft_run.lock"
 STAGING = ".tmp"  # write_staged writes NAME.tmp whole, then renames it to NAME
+# What a run has in flight, never uploaded with its folder: its lock, a checkpoint or file being staged.
+IN_FLIGHT = [LOCK, ".staging-*", f"*{STAGING}"]
 PREDICTIONS = "predictions.jsonl"  # generation predictions, staged; PREFIX_predictions.jsonl for other than eval
 # What a kill between writing and renaming a staged file leaves: sft's, not every *.tmp (a user's notes.tmp is theirs).
 STAGED = re.compile(rf"({re.escape(MANIFEST)}|(\w+_)?{re.escape(PREDICTIONS)}){re.escape(STAGING)}")

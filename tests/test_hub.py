@@ -341,6 +341,52 @@ def test_a_pushing_run_stopped_after_a_checkpoint_can_resume(online, monkeypatch
     rundir.release(out)
 
 
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint", "all_checkpoints"])
+def test_a_checkpoint_push_sends_the_promoted_checkpoint_and_no_run_files(online, monkeypatch, tmp_path,
+                                                                        tiny_model_dir, strategy):
+    """The Trainer pushes while it saves a checkpoint, when sft still writes it in `.staging-N` (renamed into place
+    after the save, while the upload ran in the background), and its folder upload skipped `_*` and `checkpoint-*`
+    only: the run's lock went to the Hub. Now the push starts once the checkpoint is in place, without the lock."""
+    import json
+    import types
+
+    import transformers.trainer
+
+    use_session(monkeypatch, FakeSession())  # the Hub answers the probe
+    uploads = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            return types.SimpleNamespace(repo_id=repo_id)
+
+        def upload_folder(self, folder_path, commit_message, ignore_patterns=(), path_in_repo=None, **kwargs):
+            folder = Path(folder_path)  # listed now: a background upload reads the folder after this returns
+            sent = sorted(p.name for p in folder.iterdir() if not any(fnmatch.fnmatch(p.name, pattern)
+                                                                       for pattern in ignore_patterns or []))
+            uploads.append((commit_message, folder, path_in_repo, sent))
+            return types.SimpleNamespace(done=lambda: True)
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeApi())
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"instruction": f"Say {i}", "output": str(i)} for i in range(16)]))
+    out = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset: {data}\noutput_dir: {out}\nmax_steps: 2\n"
+                      f"save_steps: 2\nreport_to: none\npush_to_hub: true\nhub_model_id: me/tiny-run\n"
+                      f"hub_strategy: {strategy}\nuse_cpu: true\n")
+    from sft.cli.main import main
+
+    assert main(["train", str(recipe)]) == 0
+    pushes = [(folder, where, sent) for commit, folder, where, sent in uploads if commit.startswith("Training in")]
+    assert pushes and all(".sft_run.lock" not in sent and not any(".staging" in name for name in sent)
+                          for _, _, sent in pushes)
+    checkpoints = [(folder, where, sent) for folder, where, sent in pushes if folder != out]
+    assert len(checkpoints) == (strategy != "every_save")
+    for folder, where, sent in checkpoints:  # the promoted folder, which stays: not the staging one, renamed away
+        assert folder == out / "checkpoint-2" and folder.is_dir() and "trainer_state.json" in sent
+        assert where == ("last-checkpoint" if strategy == "checkpoint" else "checkpoint-2")
+
+
 def test_the_final_push_sends_the_finished_run(online, monkeypatch, tmp_path, tiny_model_dir):
     """The Trainer pushed from save_model, before the final evaluation and sft's model card: the Hub got
     transformers' generated card (tags generated_from_trainer), no eval_results.json, no loss.png, and the run's lock

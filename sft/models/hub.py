@@ -78,3 +78,31 @@ def push_problem(push_to_hub: bool, hub_model_id: str | None, output_dir: str) -
     return (f"push_to_hub: true, but the Hugging Face Hub cannot be reached ({why}), so the run could not create or "
             f"push to {repo}. Train with --push_to_hub false and upload the finished run later with "
             f"`hf upload {repo} {output_dir}`, or run where the Hub is reachable.")
+
+
+@contextlib.contextmanager
+def uploads_skipping(patterns: list[str]) -> Iterator[None]:
+    """transformers.Trainer's folder uploads (through transformers.trainer.hf_api, its one Hub client) also skip
+    `patterns`: its checkpoint push skips `_*` and `checkpoint-*` only."""
+    import transformers.trainer
+
+    client = transformers.trainer.hf_api
+    transformers.trainer.hf_api = lambda: SkippingUploads(client(), patterns)
+    try:
+        yield
+    finally:
+        transformers.trainer.hf_api = client
+
+
+class SkippingUploads:
+    """A Hub client whose upload_folder also skips `patterns`; every other call goes to `client` unchanged."""
+
+    def __init__(self, client: object, patterns: list[str]) -> None:
+        self.client, self.patterns = client, patterns
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.client, name)
+
+    def upload_folder(self, *, ignore_patterns: list[str] | str | None = None, **kwargs: object) -> object:
+        given = [ignore_patterns] if isinstance(ignore_patterns, str) else list(ignore_patterns or [])
+        return self.client.upload_folder(ignore_patterns=given + self.patterns, **kwargs)

@@ -299,7 +299,7 @@ def push_run(trainer: SFTMixin, out: Path) -> None:
     log.info("Pushing %s to the Hub repository %s", out, trainer.hub_model_id)
     transformers.trainer.hf_api().upload_folder(
         repo_id=trainer.hub_model_id, folder_path=str(out), commit_message="End of training",
-        revision=trainer.args.hub_revision, ignore_patterns=["_*", "checkpoint-*", ".staging-*", rundir.LOCK])
+        revision=trainer.args.hub_revision, ignore_patterns=["_*", "checkpoint-*", *rundir.IN_FLIGHT])
 
 
 def write_run_facts(config: SFTConfig, stats: DataStats, out: Path) -> None:

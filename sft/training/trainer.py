@@ -24,9 +24,11 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.trainer_pt_utils import nested_gather
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
+from sft import rundir
 from sft.data.collators import TRAINED_TARGETS, HostCount, PaddingFreeCollator, default_collator
 from sft.evaluation.predict import GenerationEval
 from sft.models.compilation import compile_blocks, repeated_blocks, set_activation_memory_budget
+from sft.models.hub import uploads_skipping
 from sft.training import checkpoints, sampling
 from sft.training.checkpoints import LOSS_KEY, RESUME_KEYS, CheckpointStaging, resume_facts
 from sft.training.divergence import DivergenceGuard
@@ -278,9 +280,18 @@ class SFTMixin(sampling.EpochSeededSampling):
         pending = nested_gather(self._tr_loss, self.args.parallel_mode).mean().item()
         total = (self.resumed_loss_sum or 0.0) + self._total_loss_scalar + pending
         self.state.stateful_callbacks[LOSS_KEY] = {"loss_sum": total}
+        self.checkpoint_to_push = None
         with self.checkpoint_staging.writing(run_dir, self.state.global_step):
             super()._save_checkpoint(model, trial)
         self.checkpoint_staging.finish(run_dir, self.state, self.args)
+        if self.checkpoint_to_push:
+            with uploads_skipping(rundir.IN_FLIGHT):
+                super()._push_from_checkpoint(str(Path(run_dir) / Path(self.checkpoint_to_push).name))
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Held until the checkpoint is in place (_save_checkpoint): the Trainer pushes while it saves, from the
+        staging folder, which is renamed while the upload runs in the background."""
+        self.checkpoint_to_push = checkpoint_folder
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """The Trainer's save (final model and checkpoints), with DeepSpeed's float32 masters in place of their 16-bit
