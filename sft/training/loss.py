@@ -78,7 +78,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[start:start + chunk] = grad_logits @ weight
             if need_weight_grad:
-                grad_weight += (grad_logits.T @ h).float()
+                add_weight_grad(grad_weight, grad_logits, h)
             del logits, probs, grad_logits  # else the next chunk's logits are made while this chunk's still live
         ctx.save_for_backward(grad_hidden, grad_weight if need_weight_grad else torch.empty(0), normalizer)
         ctx.need_weight_grad = need_weight_grad
@@ -90,6 +90,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         scale = grad_output / normalizer
         weight_grad = (grad_weight * scale).to(grad_hidden.dtype) if ctx.need_weight_grad else None
         return grad_hidden * scale.to(grad_hidden.dtype), weight_grad, None, None, None, None
+
+
+def add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """grad_weight += grad_logits.T @ hidden in float32: the product made in the inputs' dtype, then cast and added
+    (scripts/bench_loss.py's chunked-fp32-out variant times cuBLAS accumulating into float32 instead)."""
+    grad_weight += (grad_logits.T @ hidden).float()
 
 
 def chunk_rows(vocab_size: int) -> int:
