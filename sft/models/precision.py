@@ -29,10 +29,11 @@ def adapter_inputs_as_they_come(model: nn.Module) -> None:
     result back to bf16 for the adapter's matmul: on Llama-3.1-8B LoRA (H100, 2 x 2048 tokens, BENCHMARKS.md) those
     casts and the float32 dropout took 137 of the 610 ms of kernel time a step. Autocast runs the matmul in bf16
     either way, so the result is the same (bitwise without dropout, tests/test_lora.py), as peft's own 4-bit layers
-    already do under autocast. Without autocast peft's cast stays: a float32 adapter needs float32 input.
+    already do under autocast. Without autocast peft's cast stays: a float32 adapter needs float32 input. So does a
+    DoRA layer's: DoRA computes its weight norm in the input's dtype.
     """
     for module in model.modules():
-        if isinstance(module, LoraLayer):
+        if isinstance(module, LoraLayer) and not getattr(module, "lora_variant", None):
             module._cast_input_dtype = types.MethodType(_cast_outside_autocast, module)
 
 
