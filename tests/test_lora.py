@@ -97,16 +97,18 @@ def test_qdora_magnitudes_stay_float32_and_train(tmp_path, tiny_model_dir, data_
     assert all(not torch.equal(p, before[n]) for n, p in magnitudes.items())
 
 
-@pytest.mark.parametrize("bf16", [True, False])
-def test_qlora_base_stays_as_loaded_under_bf16_and_what_trains_is_float32(tmp_path, tiny_model_dir, data_file, bf16):
+@pytest.mark.parametrize("bf16,dora", [(True, False), (False, False), (True, True)])
+def test_qlora_base_stays_as_loaded_under_bf16_and_what_trains_is_float32(tmp_path, tiny_model_dir, data_file, bf16,
+                                                                            dora):
     """Under bf16 autocast the base's norms, embeddings and head stay bf16 (peft's float32 upcast cost an 8B model
-    4.3 GB on an H100); without it they train in float32 as before. The adapters and a lora_modules_to_save copy are
-    float32 either way (AdamW steps below bf16's precision would round away), and the run trains."""
+    4.3 GB on an H100); without it, or under DoRA (whose weight norm takes the residual stream's dtype), they train
+    in float32 as before. The adapters and a lora_modules_to_save copy are float32 either way (AdamW steps below
+    bf16's precision would round away), and the run trains."""
     config = recipe(tiny_model_dir, data_file, tmp_path, load_in_4bit=True, dtype="bfloat16", bf16=bf16,
-                    use_cpu=True, lora_modules_to_save=["lm_head"])
+                    use_cpu=True, lora_modules_to_save=["lm_head"], use_dora=dora)
     model, trainer = fit(config)
     frozen = {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()}
-    assert frozen and set(frozen.values()) == {torch.bfloat16 if bf16 else torch.float32}, frozen
+    assert frozen and set(frozen.values()) == {torch.bfloat16 if bf16 and not dora else torch.float32}, frozen
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert any("modules_to_save" in n for n in trained) and {p.dtype for p in trained.values()} == {torch.float32}
     before = {n: p.detach().clone() for n, p in trained.items() if "modules_to_save" in n}

@@ -10,8 +10,9 @@ from sft.config.arguments import SFTConfig
 
 
 def upcasts_quantized_base(config: SFTConfig) -> bool:
-    """Whether a quantized base's non-quantized weights train in float32 (peft's k-bit preparation): all but bf16."""
-    return not config.bf16
+    """Whether a quantized base's non-quantized weights train in float32 (peft's k-bit preparation): all but bf16,
+    and DoRA under bf16 too: it computes its weight norm in its input's dtype, the residual stream's."""
+    return not config.bf16 or bool(config.use_dora)
 
 
 def upcast_trained_copies(model: nn.Module) -> None:
