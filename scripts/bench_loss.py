@@ -17,8 +17,8 @@ tokens, the first (1 - fraction) of every row untrained (a masked prompt). --sma
 - chunked-4x: the same with 4x the rows per chunk (1 GB of fp32 logits per chunk).
 - chunked-fp32-out: `chunked` with each chunk's weight-gradient product accumulated by cuBLAS straight into the
   fp32 gradient (torch.addmm with out_dtype float32, CUDA only) instead of written in bf16, cast and added
-  (sft.training.loss.add_weight_grad): on the H100 the cast and the add took 28 of the 300 ms of a compiled
-  Llama-3.2-1B step.
+  (sft.training.loss.add_weight_grad): the busiest bf16 -> fp32 copy and fp32 add kernels of a compiled
+  Llama-3.2-1B step on the H100 took 19.0 + 18.8 of its 300 ms, most likely this accumulation.
 - chunked-compiled (only when named in --variants): `chunked` under torch.compile (compile time is reported apart,
   not in the median). Dynamo unrolls the chunk loop: compile time grows with the chunks (on 2 CPU cores 23 s for 8
   chunks, 47 s for 32), and the issue-19 shapes have 64 to 128 (128 rows each), so it is opt-in.

@@ -203,13 +203,14 @@ def check_module_names(model: PreTrainedModel, config: SFTConfig) -> None:
 
 
 def prepare_quantized_base(model: PreTrainedModel, config: SFTConfig) -> None:
-    """Freeze the quantized base; upcast its other 16-bit weights (norms, embeddings, head) to float32 unless bf16.
+    """Freeze the quantized base; upcast its other 16-bit weights (norms, embeddings, head) to float32 where needed.
 
     Under bf16 autocast they stay as loaded, as in QLoRA's reference code, TRL and axolotl: every matmul runs in bf16
     anyway, the norms compute their statistics in float32 themselves, and bf16 has float32's range. peft's k-bit
     preparation (the float32 upcast) cost Llama-3.1-8B at 2 x 2048 tokens 4.3 GB more peak memory than TRL and 11%
-    of its speed on an H100 (BENCHMARKS.md). fp16 (whose range a residual stream can overflow) and float32 runs keep
-    it. The trained weights are float32 either way (peft's adapters; `upcast_trained_copies`).
+    of its speed on an H100 (BENCHMARKS.md). fp16 (whose range a residual stream can overflow), float32 and DoRA runs
+    keep it (precision.upcasts_quantized_base). What trains is float32 either way (peft's adapters;
+    `upcast_trained_copies`).
     """
     if upcasts_quantized_base(config):
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
