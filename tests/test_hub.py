@@ -341,16 +341,16 @@ def test_a_pushing_run_stopped_after_a_checkpoint_can_resume(online, monkeypatch
     rundir.release(out)
 
 
-@pytest.mark.parametrize("strategy", ["every_save", "checkpoint", "all_checkpoints"])
-def test_a_checkpoint_push_sends_the_promoted_checkpoint_and_no_run_files(online, monkeypatch, tmp_path,
-                                                                        tiny_model_dir, strategy):
-    """The Trainer pushes while it saves a checkpoint, when sft still writes it in `.staging-N` (renamed into place
-    after the save, while the upload ran in the background), and its folder upload skipped `_*` and `checkpoint-*`
-    only: the run's lock went to the Hub. Now the push starts once the checkpoint is in place, without the lock."""
+def train_pushing(monkeypatch, tmp_path, tiny_model_dir, settings: str) -> tuple[list[dict], Path]:
+    """`sft train` of a pushing recipe (+ `settings` lines) on a fake Hub API that records each folder upload: its
+    commit, folder, path in the repository and the names it sends, listed when asked (a background upload reads the
+    folder after upload_folder returns). Nothing is sent."""
     import json
     import types
 
     import transformers.trainer
+
+    from sft.cli.main import main
 
     use_session(monkeypatch, FakeSession())  # the Hub answers the probe
     uploads = []
@@ -360,10 +360,11 @@ def test_a_checkpoint_push_sends_the_promoted_checkpoint_and_no_run_files(online
             return types.SimpleNamespace(repo_id=repo_id)
 
         def upload_folder(self, folder_path, commit_message, ignore_patterns=(), path_in_repo=None, **kwargs):
-            folder = Path(folder_path)  # listed now: a background upload reads the folder after this returns
+            folder = Path(folder_path)
             sent = sorted(p.name for p in folder.iterdir() if not any(fnmatch.fnmatch(p.name, pattern)
                                                                        for pattern in ignore_patterns or []))
-            uploads.append((commit_message, folder, path_in_repo, sent))
+            uploads.append({"commit": commit_message, "folder": folder, "where": path_in_repo, "sent": sent,
+                            "card": (folder / "README.md").read_text() if "README.md" in sent else ""})
             return types.SimpleNamespace(done=lambda: True)
 
     monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeApi())
@@ -372,57 +373,36 @@ def test_a_checkpoint_push_sends_the_promoted_checkpoint_and_no_run_files(online
     out = tmp_path / "run"
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset: {data}\noutput_dir: {out}\nmax_steps: 2\n"
-                      f"save_steps: 2\nreport_to: none\npush_to_hub: true\nhub_model_id: me/tiny-run\n"
-                      f"hub_strategy: {strategy}\nuse_cpu: true\n")
-    from sft.cli.main import main
-
+                      "report_to: none\npush_to_hub: true\nhub_model_id: me/tiny-run\nuse_cpu: true\n" + settings)
     assert main(["train", str(recipe)]) == 0
-    pushes = [(folder, where, sent) for commit, folder, where, sent in uploads if commit.startswith("Training in")]
-    assert pushes and all(".sft_run.lock" not in sent and not any(".staging" in name for name in sent)
-                          for _, _, sent in pushes)
-    checkpoints = [(folder, where, sent) for folder, where, sent in pushes if folder != out]
+    return uploads, out
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint", "all_checkpoints"])
+def test_a_checkpoint_push_sends_the_promoted_checkpoint_and_no_run_files(online, monkeypatch, tmp_path,
+                                                                        tiny_model_dir, strategy):
+    """The Trainer pushes while it saves a checkpoint, when sft still writes it in `.staging-N` (renamed into place
+    after the save, while the upload ran in the background), and its folder upload skipped `_*` and `checkpoint-*`
+    only: the run's lock went to the Hub. Now the push starts once the checkpoint is in place, without the lock."""
+    uploads, out = train_pushing(monkeypatch, tmp_path, tiny_model_dir, f"save_steps: 2\nhub_strategy: {strategy}\n")
+    pushes = [push for push in uploads if push["commit"].startswith("Training in")]
+    assert pushes and all(".sft_run.lock" not in push["sent"] and not any(".staging" in name for name in push["sent"])
+                          for push in pushes)
+    checkpoints = [push for push in pushes if push["folder"] != out]
     assert len(checkpoints) == (strategy != "every_save")
-    for folder, where, sent in checkpoints:  # the promoted folder, which stays: not the staging one, renamed away
-        assert folder == out / "checkpoint-2" and folder.is_dir() and "trainer_state.json" in sent
-        assert where == ("last-checkpoint" if strategy == "checkpoint" else "checkpoint-2")
+    for push in checkpoints:  # the promoted folder, which stays: not the staging one, renamed away
+        assert push["folder"] == out / "checkpoint-2" and push["folder"].is_dir()
+        assert "trainer_state.json" in push["sent"]
+        assert push["where"] == ("last-checkpoint" if strategy == "checkpoint" else "checkpoint-2")
 
 
 def test_the_final_push_sends_the_finished_run(online, monkeypatch, tmp_path, tiny_model_dir):
     """The Trainer pushed from save_model, before the final evaluation and sft's model card: the Hub got
     transformers' generated card (tags generated_from_trainer), no eval_results.json, no loss.png, and the run's lock
     file. Now the last upload holds the finished folder: sft's card and every result, no lock, no checkpoints."""
-    import json
-    import types
-
-    import transformers.trainer
-
-    use_session(monkeypatch, FakeSession())  # the Hub answers the probe
-    uploads = []
-
-    class FakeApi:
-        def create_repo(self, repo_id, **kwargs):
-            return types.SimpleNamespace(repo_id=repo_id)
-
-        def upload_folder(self, folder_path, commit_message, ignore_patterns, **kwargs):
-            folder = Path(folder_path)
-            sent = sorted(p.name for p in folder.iterdir() if not any(fnmatch.fnmatch(p.name, pattern)
-                                                                       for pattern in ignore_patterns))
-            uploads.append((commit_message, sent, (folder / "README.md").read_text() if "README.md" in sent else ""))
-            return types.SimpleNamespace(done=lambda: True)
-
-    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeApi())
-    data = tmp_path / "data.json"
-    data.write_text(json.dumps([{"instruction": f"Say {i}", "output": str(i)} for i in range(16)]))
-    out = tmp_path / "run"
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset: {data}\noutput_dir: {out}\nmax_steps: 2\n"
-                      "eval_split_size: 4\nsave_strategy: 'no'\nreport_to: none\npush_to_hub: true\n"
-                      "hub_model_id: me/tiny-run\nuse_cpu: true\n")
-    from sft.cli.main import main
-
-    assert main(["train", str(recipe)]) == 0
-    assert [commit for commit, _, _ in uploads] == ["End of training"]
-    _, sent, card = uploads[0]
+    uploads, out = train_pushing(monkeypatch, tmp_path, tiny_model_dir, "eval_split_size: 4\nsave_strategy: 'no'\n")
+    assert [push["commit"] for push in uploads] == ["End of training"]
+    sent, card = uploads[0]["sent"], uploads[0]["card"]
     assert {"README.md", "eval_results.json", "all_results.json", "loss.png", "recipe.yaml", "model.safetensors",
             "tokenizer.json", "generation_config.json"} <= set(sent) and ".sft_run.lock" not in sent
     assert card == (out / "README.md").read_text() and "- sft" in card and "generated_from_trainer" not in card
