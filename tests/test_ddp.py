@@ -152,6 +152,23 @@ def test_torchrun_with_torch_compile_compiles_each_block_and_equals_one_process(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
+def test_torchrun_bf16_lora_equals_one_process(recipe, tmp_path):
+    """LoRA as users train it: bf16 weights under bf16 autocast, float32 adapters fed their bf16 inputs
+    (sft.models.precision); two processes train the adapter one process trains on the same global batch."""
+    flags = ["--use_peft", "true", "--lora_dropout", "0.0", "--dtype", "bfloat16", "--bf16", "true", "--use_cpu",
+             "true"]
+    out = tmp_path / "ddp"
+    run(torchrun("train", recipe, "--output_dir", out, *flags))
+    assert_data_parallel(out, "DistributedDataParallel")
+    single = tmp_path / "single"
+    train(load_recipe(recipe, flags=flags, gradient_accumulation_steps=2, output_dir=str(single)))
+    adapter, expected = load_file(out / "adapter_model.safetensors"), load_file(single / "adapter_model.safetensors")
+    assert set(adapter) == set(expected) and all(tensor.dtype == torch.float32 for tensor in adapter.values())
+    assert max(float((adapter[k] - expected[k]).abs().max()) for k in adapter) < 1e-5
+    assert max(float(tensor.abs().max()) for k, tensor in adapter.items() if "lora_B" in k) > 1e-4  # it trained
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU data parallelism")
 def test_two_process_eval_loss_drops_the_rows_repeated_to_even_out_batches(ddp_run, single):
     # 5 eval rows over 2 processes x 2 rows: accelerate repeats 3 rows in the last batch
     assert eval_loss(ddp_run) == pytest.approx(eval_loss(single), abs=1e-5)
