@@ -199,6 +199,9 @@ def test_a_think_block_in_content_becomes_seed_oss_reasoning():
     tok, stops = family_tokenizer("seed_oss")
     row = {"messages": [WEATHER, {"role": "assistant", "content": "<think>\nLook it up.\n</think>\n\nSunny."}]}
     assert trained_texts(tok, "seed_oss", row, stops) == ["<seed:think>Look it up.</seed:think>\nSunny.<seed:eos>"]
+    example = ChatRenderer(tok, generation_eos=stops).render_row(row, "chat.jsonl", 3)[0]
+    assert [(kind, example.text[start:end]) for start, end, kind in example.kinds] == [
+        ("reasoning", "<seed:think>Look it up.</seed:think>"), ("answer", "Sunny."), ("end", "<seed:eos>")]
 
 
 @pytest.mark.parametrize("content", ["", None])
@@ -274,10 +277,11 @@ def test_show_marks_ministral_reasoning_apart():
     encoded = Encoding(tok, max_length=10**6).encode(examples)
     example = {key: encoded[key][0] for key in ("input_ids", "labels", "kinds")}
     shown = show_examples([example], tok, 1, color=False)
-    assert ("[/INST][[channel: [THINK]]][[reasoning: Add two and two.]][[channel: [/THINK]]][[It is 4.</s>]]"
-            in shown)
+    # its [THINK] tags count with the reasoning, as Qwen3's <think> ones do (they were shown as channel markup)
+    assert "[/INST][[reasoning: [THINK]Add two and two.[/THINK]]][[It is 4.</s>]]" in shown
     assert encoded["reasoning"] == [sum(len(tok(text, add_special_tokens=False)["input_ids"])
-                                        for text in ("Add two and two.", "Add three and three."))]
+                                        for text in ("[THINK]Add two and two.[/THINK]",
+                                                     "[THINK]Add three and three.[/THINK]"))]
 
 
 def test_only_a_template_reading_thinking_parts_gets_them():

@@ -36,7 +36,10 @@ from sft.data.turns import common_prefix, turn_text
 from sft.errors import SFTError
 
 THINK = re.compile(r"\s*{}(.*?){}\s*".format(*REASONING_TAGS), re.S)  # a reasoning block inside the content
-EMPTY_THINK = re.compile(r"<think>\s*</think>")  # what reasoning templates write for a turn without reasoning
+# The tags a template wraps a turn's reasoning in: <think>, [THINK] (Magistral), <seed:think> (Seed-OSS), ◁think▷
+_TAG = r"(?:<|\[|◁){}(?:\w+:)?think(?:>|\]|▷)"
+THINK_OPEN, THINK_CLOSE = re.compile(_TAG.format(""), re.I), re.compile(_TAG.format("/"), re.I)
+EMPTY_THINK = re.compile(THINK_OPEN.pattern + r"\s*" + THINK_CLOSE.pattern, re.I)  # a turn without reasoning
 
 log = logging.getLogger(__name__)
 
@@ -348,15 +351,14 @@ def _kinds(text: str, start: int, stop: int, end: int, message: Message) -> list
 
 
 def _reasoning_span(text: str, start: int, stop: int, reasoning: str) -> tuple[int, int] | None:
-    """The reasoning of a turn with its <think> tags, or an empty think block the template writes anyway."""
+    """The reasoning of a turn with its think tags, or an empty think block the template writes anyway."""
     if reasoning:
         at = text.find(reasoning, start, stop)
         if at < 0:
             return None
-        opening = text.rfind("<think>", start, at)
-        closing = text.find("</think>", at + len(reasoning), stop)
-        return (opening if opening >= 0 else at,
-                closing + len("</think>") if closing >= 0 else at + len(reasoning))
+        opening = [tag.start() for tag in THINK_OPEN.finditer(text, start, at)]
+        closing = THINK_CLOSE.search(text, at + len(reasoning), stop)
+        return opening[-1] if opening else at, closing.end() if closing else at + len(reasoning)
     block = EMPTY_THINK.search(text, start, stop)
     return block.span() if block else None
 
