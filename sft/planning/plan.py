@@ -291,8 +291,9 @@ def plan_recipe(config: SFTConfig, gpu: GPU, num_gpus: int = 1, num_nodes: int =
     text = text_config(arch)  # refuses what the formulas do not describe
     # planned as it must run there: fp16 keeps a QLoRA base's float32 upcast, which bf16 skips
     fp16 = {} if gpu.bf16 else fp16_settings(config)
-    config = copy.copy(config)
-    config.__dict__.update(fp16)
+    if fp16:
+        config = copy.copy(config)
+        config.__dict__.update(fp16)
     setup = setup_of(config, num_gpus, num_nodes)
     models = {setup.method: model_facts(config, arch, setup.method)}
     plan = make_plan(config, arch, gpu, setup, models[setup.method])
