@@ -15,10 +15,10 @@ tokens, the first (1 - fraction) of every row untrained (a masked prompt). --sma
   hidden] written in bf16, read, cast, added: about 20 bytes per weight), a cost per chunk, not per row: on CPU
   (fp32, Qwen2.5-0.5B shape, 2048 trained rows) 128-row chunks took 60.7 s, 512-row 46.5 s, 2048-row 45.5 s.
 - chunked-4x: the same with 4x the rows per chunk (1 GB of fp32 logits per chunk).
-- chunked-fp32-out: `chunked` with each chunk's weight-gradient product accumulated by cuBLAS straight into the
-  fp32 gradient (torch.addmm with out_dtype float32, CUDA only) instead of written in bf16, cast and added
-  (sft.training.loss.add_weight_grad): the busiest bf16 -> fp32 copy and fp32 add kernels of a compiled
-  Llama-3.2-1B step on the H100 took 19.0 + 18.8 of its 300 ms, most likely this accumulation.
+- chunked-cast-add: `chunked` with each chunk's weight-gradient product written in bf16, read, cast and added into
+  the fp32 gradient, as sft did before 2026-11-27 and still does on CPU (sft.training.loss.add_weight_grad now has
+  cuBLAS accumulate it in fp32 on CUDA: addmm with out_dtype). On the H100 (Llama-3.2-1B head, 8 x 2048 rows) that
+  took the loss from 70 to 50 ms at 50% trained, 137 to 98 ms at 100% (BENCHMARKS.md).
 - chunked-compiled (only when named in --variants): `chunked` under torch.compile (compile time is reported apart,
   not in the median). Dynamo unrolls the chunk loop: compile time grows with the chunks (on 2 CPU cores 23 s for 8
   chunks, 47 s for 32), and the issue-19 shapes have 64 to 128 (128 rows each), so it is opt-in.
@@ -57,7 +57,7 @@ from sft.training import loss as sft_loss
 
 SHAPES = {"qwen2.5-0.5b": "qwen/qwen2.5-0.5b", "llama-3.2-1b": "meta-llama/llama-3.2-1b",
           "llama-3.1-8b": "meta-llama/llama-3.1-8b"}
-VARIANTS = ("chunked", "chunked-128rows", "chunked-4x", "chunked-fp32-out", "chunked-compiled", "liger", "liger-all",
+VARIANTS = ("chunked", "chunked-128rows", "chunked-4x", "chunked-cast-add", "chunked-compiled", "liger", "liger-all",
             "full-logits")
 DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name != "chunked-compiled")
 WARMUP = 2
@@ -114,22 +114,22 @@ def chunked(case: Case, factor: int = 1, compiled: bool = False, rows: int | Non
     return run
 
 
-def chunked_fp32_out(case: Case) -> Callable:
-    """`chunked` with the weight gradient accumulated in float32 by the matmul itself (addmm's out_dtype: CUDA)."""
+def chunked_cast_add(case: Case) -> Callable:
+    """`chunked` with the weight gradient's product made in the inputs' dtype, then cast and added in float32."""
     run = chunked(case)
 
-    def add_in_float32(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-        torch.addmm(grad_weight, grad_logits.T, hidden, out_dtype=torch.float32, out=grad_weight)
+    def cast_add(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        grad_weight += (grad_logits.T @ hidden).float()
 
-    def run_accumulating(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def run_casting(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         add = sft_loss.add_weight_grad
-        sft_loss.add_weight_grad = add_in_float32
+        sft_loss.add_weight_grad = cast_add
         try:
             return run(hidden, weight)
         finally:
             sft_loss.add_weight_grad = add
 
-    return run_accumulating
+    return run_casting
 
 
 def liger(case: Case, every_row: bool) -> Callable:
@@ -159,8 +159,8 @@ def build(name: str, case: Case) -> Callable:
         return chunked(case, 4)
     if name == "chunked-128rows":
         return chunked(case, rows=128)
-    if name == "chunked-fp32-out":
-        return chunked_fp32_out(case)
+    if name == "chunked-cast-add":
+        return chunked_cast_add(case)
     if name == "chunked-compiled":
         return chunked(case, compiled=True)
     if name in ("liger", "liger-all"):

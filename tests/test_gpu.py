@@ -228,3 +228,25 @@ def test_trainer_with_loss_kernel_liger_trains_as_the_chunked_loss_on_gpu(tmp_pa
     fused, calls = losses(tmp_path, tokenizer, bf16=True, label_smoothing_factor=0.1, loss_kernel="liger")
     assert calls == [("LlamaForCausalLM", 1)] * 2  # the chunked forward computed each step's loss, with Liger
     assert fused == pytest.approx(chunked, rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_gradient_accumulates_in_float32_on_gpu(dtype):
+    """add_weight_grad's cuBLAS path (addmm out_dtype float32) against float32 sums of the same half-precision
+    products, over 8 chunks: it equals them as closely as the cast-and-add it replaced, which rounds each product."""
+    from sft.training.loss import add_weight_grad
+
+    torch.manual_seed(0)
+    chunks = [(torch.randn(512, 1000, device="cuda", dtype=dtype) / 30,
+               torch.randn(512, 256, device="cuda", dtype=dtype)) for _ in range(8)]
+    exact = sum(g.double().T @ h.double() for g, h in chunks).float()
+    fused = torch.zeros(1000, 256, device="cuda")
+    cast_add = torch.zeros(1000, 256, device="cuda")
+    for grad_logits, hidden in chunks:
+        add_weight_grad(fused, grad_logits, hidden)
+        cast_add += (grad_logits.T @ hidden).float()
+    fused_gap, cast_gap = (float((g - exact).abs().max() / exact.abs().max()) for g in (fused, cast_add))
+    print(f"{dtype}: cuBLAS float32 accumulation {fused_gap:.2e}, cast and add {cast_gap:.2e}")
+    assert fused_gap <= cast_gap + 1e-6
+    assert fused_gap < 1e-3
+    assert not torch.equal(fused, cast_add)  # the cuBLAS path ran: the rounded products differ from it
