@@ -12,6 +12,7 @@ sync on a GPU. A run of 2 optimizer steps x 4 accumulated micro-steps, logging_s
 Nothing else: the chunked loss selects trained positions at a size the collator counted on the host.
 """
 
+import traceback
 import warnings
 
 import datasets
@@ -204,18 +205,39 @@ def test_config_defaults_that_keep_the_host_off_the_gpu(tmp_path):
     assert args.dataloader_num_workers == 0  # scripts/bench_collate.py: workers save ~1 ms per 8x2048 batch
 
 
+def sync_site(filename: str, lineno: int) -> str:
+    """Where a synchronising call came from: the warning's frame, and where that is inside torch (a torch.cuda
+    helper), the first caller outside torch too."""
+    site = f"{filename}:{lineno}"
+    if "/torch/" in filename:
+        callers = [f for f in traceback.extract_stack()[:-3]
+                   if "/torch/" not in f.filename and "warnings" not in f.filename]
+        if callers:
+            site += f" <- {callers[-1].filename}:{callers[-1].lineno} ({callers[-1].name})"
+    return site
+
+
 class SyncCountingTrainer(SFTTrainer):
     """Counts the synchronising CUDA calls inside each training step with torch.cuda's sync debug mode."""
 
     def training_step(self, *args, **kwargs):
-        with warnings.catch_warnings(record=True) as caught:
+        sites = []
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            # torch's own once-per-process note on entering the mode ("Synchronization debug mode is a prototype
+            # feature ... synchronizing operations") is not a sync: only the per-call warning counts
+            if "called a synchronizing CUDA operation" in str(message):
+                sites.append(sync_site(filename, lineno))
+
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 return super().training_step(*args, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-                self.step_syncs.append([f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)])
+                self.step_syncs.append(sites)
 
 
 @pytest.mark.gpu
