@@ -11,13 +11,12 @@ import torch
 
 from sft.cli.main import main
 from sft.errors import SFTError
-from sft.models.adapters import unwrapped
 from sft.models.architectures import known_config
 from sft.models.compilation import compile_blocks
 from sft.planning import memory
 from sft.planning import plan as planner
 from sft.planning.hardware import find_gpu
-from sft.planning.memtrace import build_model, quantized_bytes, trace_step, train_steps
+from sft.planning.memtrace import build_model, quantized_bytes, saved_per_layer, trace_step, train_steps
 from sft.training.catalog import list_recipes
 from sft.training.recipe import load_recipe
 
@@ -221,31 +220,11 @@ def test_planner_within_15_percent_of_a_real_cpu_step(method, layers, hidden):
 
 
 def layer_saved_bytes(config, arch, tokens: int, compiled: bool) -> float:
-    """Bytes autograd saves per token in one decoder layer of the recipe's model on CPU, under bf16 autocast as
-    training runs: a 2-layer model minus a 1-layer one, each block compiled in place as sft's torch_compile does.
-    The backend is inductor's min-cut partitioner and decompositions without its codegen (aot_eager_decomp_partition:
-    what it keeps equals inductor's, checked at budgets 1 and 0.8 when COMPILED_SAVINGS was fitted)."""
-    saved = {}
-    for layers in (1, 2):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = build_model(config, small_arch(layers=layers, **arch), "cpu")
-        if compiled:
-            compile_blocks(model, backend="aot_eager_decomp_partition")
-        ids = torch.randint(0, 1000, (1, tokens))
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        for _ in range(2):  # the first call compiles; the second is measured
-            seen = {}
-
-            def keep(tensor, seen=seen):
-                if tensor.untyped_storage().data_ptr() not in params:  # a storage saved twice counts once
-                    seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-                return tensor
-
-            with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                unwrapped(model).get_decoder()(input_ids=ids, use_cache=False)
-        saved[layers] = sum(seen.values())
-    return (saved[2] - saved[1]) / tokens
+    """Bytes autograd saves per token in one decoder layer on CPU (memtrace.saved_per_layer). Compiled: inductor's
+    min-cut partitioner and decompositions without its codegen (aot_eager_decomp_partition: what it keeps equals
+    inductor's on CPU, checked at budgets 1 and 0.8 when COMPILED_SAVINGS was fitted)."""
+    backend = "aot_eager_decomp_partition" if compiled else None
+    return sum(saved_per_layer(config, small_arch(layers=2, **arch), tokens, backend=backend).values())
 
 
 @pytest.mark.parametrize("method,budget", [("full", None), ("full", 0.8), ("lora", None), ("lora", 0.8)])

@@ -31,6 +31,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.adapters import head_weight, unwrapped
+from sft.models.compilation import compile_blocks
 from sft.models.quantization import DTYPES, compute_dtype
 from sft.training.loss import (
     LinearCrossEntropy,
@@ -261,3 +262,42 @@ def eval_step(model: nn.Module, config: SFTConfig, vocab_size: int, device: str)
         token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=device)
         token_losses.view(-1)[:] = chunked_token_losses(trained_rows(hidden), weight, targets.reshape(-1),
                                                          chunk_rows(weight.shape[0]))
+
+
+def saved_per_layer(config: SFTConfig, model_config: PretrainedConfig, tokens: int, device: str = "cpu",
+                    backend: str | None = None) -> dict[tuple[str, int], float]:
+    """Bytes autograd saves per token in one decoder layer of the recipe's model, by (dtype, elements per token),
+    under the recipe's bf16 autocast on `device`: a 2-layer model minus a 1-layer one (the embedding, final norm and
+    head cancel), each block compiled in place with `backend` as sft's torch_compile does (None: eager). A storage
+    saved twice counts once. The LAYER_BYTES and COMPILED_SAVINGS of sft.planning.memory are fitted to these."""
+    saved = {}
+    for layers in (1, 2):
+        arch = model_config.__class__.from_dict({**model_config.to_dict(), "num_hidden_layers": layers})
+        if getattr(arch, "layer_types", None):
+            arch.layer_types = arch.layer_types[:layers]
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build_model(config, arch, device)
+        if backend:
+            compile_blocks(model, backend=backend)
+        ids = torch.randint(0, arch.vocab_size, (1, tokens), device=device)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        for _ in range(2):  # the first call compiles; the second is measured
+            seen = {}
+
+            def keep(tensor: torch.Tensor, seen: dict = seen) -> torch.Tensor:
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in params:
+                    seen[storage.data_ptr()] = (str(tensor.dtype).removeprefix("torch."), storage.nbytes())
+                return tensor
+
+            with (torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16)),
+                  torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t)):
+                unwrapped(model).get_decoder()(input_ids=ids, use_cache=False)
+        by_kind: dict[tuple[str, int], float] = {}
+        for dtype, nbytes in seen.values():
+            width = nbytes // (tokens * torch.empty(0, dtype=getattr(torch, dtype)).element_size())
+            by_kind[dtype, width] = by_kind.get((dtype, width), 0) + nbytes / tokens
+        saved[layers] = by_kind
+    layer = {k: saved[2].get(k, 0) - saved[1].get(k, 0) for k in sorted(set(saved[1]) | set(saved[2]))}
+    return {k: v for k, v in layer.items() if v}
