@@ -21,19 +21,21 @@ GIB = 2 ** 30
 # Bytes a token keeps per decoder layer without checkpointing, as multiples of (hidden, attention width
 # heads*head_dim, MLP width), for bf16 compute. Full: two RMSNorms keep their fp32 input, normalised and output
 # copies (16h); attention keeps q, repeated k/v, output and o_proj's input (8q); the gated MLP keeps gate, silu,
-# up and their product (8i). LoRA adds per adapted linear its dropout mask and input copy (bf16: under autocast sft
-# skips peft's float32 cast, sft.models.precision, which kept 10h + 2q + 2i more); QLoRA's
-# float32 residual stream (k-bit preparation) changes the mix. Measured with MemTracker, see tests/test_plan.py.
-LAYER_BYTES = {"full": (16.0, 8.0, 8.0), "lora": (30.4, 12.2, 11.0), "qlora": (38.4, 14.2, 12.2)}
+# up and their product (8i). LoRA adds per adapted linear its dropout mask (bool, as CUDA's fused dropout keeps it:
+# 5h + q + i less than CPU's bf16 noise, measured on an H100) and input copy (bf16: under autocast sft skips peft's
+# float32 cast, sft.models.precision, which kept 10h + 2q + 2i more); QLoRA's float32 residual stream (k-bit
+# preparation) changes the mix. Measured with MemTracker, see tests/test_plan.py.
+LAYER_BYTES = {"full": (16.0, 8.0, 8.0), "lora": (25.4, 11.2, 10.0), "qlora": (38.4, 14.2, 12.2)}
 # What torch_compile takes off LAYER_BYTES, in the same units, where sft compiles each block in place (one GPU, DDP)
 # by (method, partitioner budget): inductor's partitioner recomputes fused elementwise ops (norms, SwiGLU's product,
 # LoRA's dropout and casts) instead of keeping their outputs; at budget 0.8 it recomputes all elementwise ops, no
 # matmul or attention (sft.models.compilation). Differences of the bytes autograd saves per token and layer,
 # compiled minus eager, fitted on five widths with bf16 autocast and exact on a Llama-3.2-1B layer (LoRA at 0.8:
-# within 0.2%); tests/test_plan.py measures them on another width. QLoRA and sharded runs (accelerate compiles the
-# whole model there) are planned as eager: not measured, an upper bound.
+# within 0.2%; an H100's inductor within 1.2%, scripts/layer_memory.py); tests/test_plan.py measures them on another
+# width. QLoRA and sharded runs (accelerate compiles the whole model there) are planned as eager: not measured, an
+# upper bound.
 COMPILED_SAVINGS = {("full", 1.0): (8.0, 0.0, 2.0), ("full", 0.8): (12.0, 0.0, 4.0),
-                    ("lora", 1.0): (9.0, 1.0, 3.0), ("lora", 0.8): (19.875, 1.25, 5.375)}
+                    ("lora", 1.0): (4.0, 0.0, 2.0), ("lora", 0.8): (14.875, 0.25, 4.375)}
 # Gradient temporaries of the MLP (bytes per token per MLP width) while a recomputed LoRA layer runs backward
 # (11 while peft's float32 input copies ran; MemTracker, tests/test_plan.py).
 BACKWARD_I_BYTES = 4

@@ -150,12 +150,27 @@ def build_model(config: SFTConfig, model_config: PretrainedConfig, device: str) 
         freeze_non_text_towers(model)  # a multimodal model's vision tower, as load_model freezes it
         if config.use_peft:
             model = add_adapter(model, config)
+    dropout_as_on_cuda(model)
     if config.activation_checkpointing or config.gradient_checkpointing:
         model.activation_checkpointing_enable(config.activation_checkpointing_kwargs
                                               or config.gradient_checkpointing_kwargs)
         if config.use_peft:
             model.enable_input_require_grads()
     return model.train()
+
+
+def dropout_as_on_cuda(model: nn.Module) -> None:
+    """Dropout layers keep for backward what CUDA's fused dropout keeps: a bool mask (torch.native_dropout). On CPU
+    F.dropout keeps a noise tensor in the input's dtype instead, one more byte an element under bf16: LoRA's five
+    dropped layer inputs a layer, 5h + q + i bytes a token, more on CPU than on an H100 (scripts/layer_memory.py,
+    BENCHMARKS.md). The step simulated is the GPU's."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout) and 0 < module.p < 1:
+            module.forward = types.MethodType(_fused_dropout, module)
+
+
+def _fused_dropout(self: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    return torch.native_dropout(x, self.p, True)[0] if self.training else x
 
 
 def materialize(model: nn.Module) -> None:
