@@ -41,10 +41,13 @@ MODIFIERS = {
     # transformers' BlockMask from position_ids; liger: Liger's fused linear cross-entropy at the trained positions
     # (where Liger cannot run, a recorded failure); compile: each decoder block compiled in place; budget (with
     # compile): activation_memory_budget 0.8, elementwise ops recomputed in the backward instead of kept (0.67x
-    # Liger's activations per layer, scripts/bench_activations.py; the same matmuls).
+    # Liger's activations per layer, scripts/bench_activations.py; the same matmuls); autotune (with compile):
+    # inductor benchmarks its Triton GEMM templates against cuBLAS per shape (max-autotune, without CUDA graphs), for
+    # the 0.5B shape's hidden-896 GEMMs, which cuBLAS ran far below the peak (BENCHMARKS.md).
     "sft": {"varlen": {"attn_implementation": "varlen"}, "flex": {"attn_implementation": "flex_attention"},
             "liger": {"loss_kernel": "liger"}, "compile": {"torch_compile": True},
-            "budget": {"activation_memory_budget": 0.8}},
+            "budget": {"activation_memory_budget": 0.8},
+            "autotune": {"torch_compile_mode": "max-autotune-no-cudagraphs"}},
     # trl on sdpa flattens each padding-free batch into one row, so sdpa gets one [T, T] block mask over the whole
     # batch (8 x 2048 tokens: 16,384^2, no block skipped); flex: transformers' BlockMask skips the blocks between
     # examples (TRL's best isolating attention where no flash-attn package is installed); compile: torch_compile.
@@ -58,12 +61,12 @@ def tool_settings(tool: str) -> tuple[str, dict]:
     known = MODIFIERS.get(base, {})
     settings = [known.get(m) for m in modifiers]
     attentions = [s["attn_implementation"] for s in settings if s and "attn_implementation" in s]
-    needs_compile = "budget" in modifiers and "compile" not in modifiers
+    needs_compile = {"budget", "autotune"} & set(modifiers) and "compile" not in modifiers
     if (base not in BASES or None in settings or len(set(modifiers)) < len(modifiers) or len(attentions) > 1
             or needs_compile):
         choices = "; ".join(f"{b}-{'|'.join(m)}" for b, m in MODIFIERS.items())
         raise SystemExit(f"unknown tool {tool!r}: a base ({', '.join(BASES)}) and '-'-joined modifiers, each once "
-                         f"and one attention at most; budget with compile ({choices})")
+                         f"and one attention at most; budget and autotune with compile ({choices})")
     return base, {key: value for setting in settings for key, value in setting.items()}
 
 

@@ -18,11 +18,13 @@ def test_modifiers_compose_into_the_settings_each_tool_runs_with():
         "sft", {"attn_implementation": "varlen", "torch_compile": True, "loss_kernel": "liger"})
     assert tool_settings("trl-flex") == ("trl", {"attn_implementation": "flex_attention"})
     assert tool_settings("sft-compile-budget") == ("sft", {"torch_compile": True, "activation_memory_budget": 0.8})
+    assert tool_settings("sft-varlen-compile-autotune") == ("sft", {
+        "attn_implementation": "varlen", "torch_compile": True, "torch_compile_mode": "max-autotune-no-cudagraphs"})
     assert tool_settings("plain") == ("plain", {}) and tool_settings("sft_syncs") == ("sft_syncs", {})
 
 
 @pytest.mark.parametrize("tool", ["sft-varlenn", "trl-liger", "plain-flex", "tlr", "sft-varlen-flex",
-                                  "sft-compile-compile", "sft-budget"])
+                                  "sft-compile-compile", "sft-budget", "sft-autotune"])
 def test_unknown_or_conflicting_tools_are_refused_with_the_choices(tool):
     with pytest.raises(SystemExit, match="unknown tool .*sft-varlen\\|flex\\|liger\\|compile\\|budget"):
         tool_settings(tool)
