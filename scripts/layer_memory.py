@@ -7,7 +7,8 @@ sft plan's activation rows (sft.planning.memory: LAYER_BYTES, COMPILED_SAVINGS) 
 (sft.planning.memtrace.saved_per_layer). This prints it for full fine-tuning and LoRA, eager and compiled at the
 partitioner budgets the planner knows, on a Llama-family layer whose widths all differ (hidden h 512, attention q
 4 x 96 = 384, key/value kv 2 x 96 = 192, MLP i 1408), so each kept tensor's width names what it is. Where the GPU
-keeps other tensors than CPU (its fused dropout, its kernels' saved outputs), the two tables differ.
+keeps other tensors than CPU, the two tables differ: on an H100 (2026-11-27) only LoRA's dropout did (CUDA keeps a
+bool mask, CPU bf16 noise), which the simulated step now runs as CUDA does (memtrace.dropout_as_on_cuda).
 """
 
 import argparse

@@ -232,8 +232,8 @@ def test_trainer_with_loss_kernel_liger_trains_as_the_chunked_loss_on_gpu(tmp_pa
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_weight_gradient_accumulates_in_float32_on_gpu(dtype):
-    """add_weight_grad's cuBLAS path (addmm out_dtype float32) against float32 sums of the same half-precision
-    products, over 8 chunks: it equals them as closely as the cast-and-add it replaced, which rounds each product."""
+    """add_weight_grad's cuBLAS path (addmm out_dtype float32) against float64 sums of the same half-precision
+    products, over 8 chunks: at least as close as the cast-and-add it replaced, which rounds each product."""
     from sft.training.loss import add_weight_grad
 
     torch.manual_seed(0)
