@@ -98,9 +98,10 @@ def add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden
     On CUDA cuBLAS accumulates the half-precision product straight into the float32 gradient (addmm's out_dtype):
     on an H100 the Llama-3.2-1B head's loss, forward and backward, took 50 instead of 70 ms at half the rows trained
     (BENCHMARKS.md, scripts/bench_loss.py's chunked-cast-add: the product made in bf16, cast, then added, as on CPU,
-    where addmm has no out_dtype).
+    where addmm has no out_dtype, and for float32 inputs).
     """
-    if grad_weight.is_cuda and grad_logits.dtype in (torch.bfloat16, torch.float16):
+    half = (torch.bfloat16, torch.float16)
+    if grad_weight.is_cuda and grad_logits.dtype in half and hidden.dtype == grad_logits.dtype:
         torch.addmm(grad_weight, grad_logits.T, hidden, out_dtype=torch.float32, out=grad_weight)
     else:
         grad_weight += (grad_logits.T @ hidden).float()
