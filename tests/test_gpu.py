@@ -250,3 +250,22 @@ def test_weight_gradient_accumulates_in_float32_on_gpu(dtype):
     assert fused_gap <= cast_gap + 1e-6
     assert fused_gap < 1e-3
     assert not torch.equal(fused, cast_add)  # the cuBLAS path ran: the rounded products differ from it
+
+
+def test_weight_gradient_of_float32_inputs_under_autocast_accumulates_in_float32_on_gpu():
+    """float32 weights under bf16 autocast (the shipped full fine-tune recipes): the product runs in bf16 as
+    autocast's matmul would, and cuBLAS accumulates it in float32."""
+    from sft.training.loss import add_weight_grad
+
+    torch.manual_seed(0)
+    chunks = [(torch.randn(512, 1000, device="cuda") / 30, torch.randn(512, 256, device="cuda")) for _ in range(8)]
+    exact = sum(g.bfloat16().double().T @ h.bfloat16().double() for g, h in chunks).float()
+    fused = torch.zeros(1000, 256, device="cuda")
+    cast_add = torch.zeros(1000, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for grad_logits, hidden in chunks:
+            add_weight_grad(fused, grad_logits, hidden)
+            cast_add += (grad_logits.T @ hidden).float()  # autocast: a bf16 product, rounded, then added
+    fused_gap, cast_gap = (float((g - exact).abs().max() / exact.abs().max()) for g in (fused, cast_add))
+    print(f"float32 under autocast: cuBLAS float32 accumulation {fused_gap:.2e}, cast and add {cast_gap:.2e}")
+    assert fused_gap < 1e-5 < cast_gap

@@ -98,11 +98,12 @@ def add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden
     On CUDA cuBLAS accumulates the half-precision product straight into the float32 gradient (addmm's out_dtype):
     on an H100 the Llama-3.2-1B head's loss, forward and backward, took 50 instead of 70 ms at half the rows trained
     (BENCHMARKS.md, scripts/bench_loss.py's chunked-cast-add: the product made in bf16, cast, then added, as on CPU,
-    where addmm has no out_dtype, and for float32 inputs).
+    where addmm has no out_dtype). Float32 inputs under autocast (float32 weights with `bf16: true`, as the shipped
+    full fine-tune recipes load them) are multiplied in autocast's dtype, as autocast's own matmul would.
     """
-    half = (torch.bfloat16, torch.float16)
-    if grad_weight.is_cuda and grad_logits.dtype in half and hidden.dtype == grad_logits.dtype:
-        torch.addmm(grad_weight, grad_logits.T, hidden, out_dtype=torch.float32, out=grad_weight)
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else grad_logits.dtype
+    if grad_weight.is_cuda and dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(grad_weight, grad_logits.T.to(dtype), hidden.to(dtype), out_dtype=torch.float32, out=grad_weight)
     else:
         grad_weight += (grad_logits.T @ hidden).float()
 
