@@ -61,7 +61,7 @@ def tool_settings(tool: str) -> tuple[str, dict]:
     known = MODIFIERS.get(base, {})
     settings = [known.get(m) for m in modifiers]
     attentions = [s["attn_implementation"] for s in settings if s and "attn_implementation" in s]
-    needs_compile = {"budget", "autotune"} & set(modifiers) and "compile" not in modifiers
+    needs_compile = bool({"budget", "autotune"} & set(modifiers)) and "compile" not in modifiers
     if (base not in BASES or None in settings or len(set(modifiers)) < len(modifiers) or len(attentions) > 1
             or needs_compile):
         choices = "; ".join(f"{b}-{'|'.join(m)}" for b, m in MODIFIERS.items())

@@ -230,42 +230,26 @@ def test_trainer_with_loss_kernel_liger_trains_as_the_chunked_loss_on_gpu(tmp_pa
     assert fused == pytest.approx(chunked, rel=1e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_weight_gradient_accumulates_in_float32_on_gpu(dtype):
-    """add_weight_grad's cuBLAS path (addmm out_dtype float32) against float64 sums of the same half-precision
-    products, over 8 chunks: at least as close as the cast-and-add it replaced, which rounds each product."""
+@pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float16, False), (torch.float32, True)],
+                         ids=["bf16", "fp16", "float32-under-bf16-autocast"])
+def test_weight_gradient_accumulates_in_float32_on_gpu(dtype, autocast):
+    """add_weight_grad's cuBLAS path (addmm out_dtype float32) against float64 sums of the same products over 8
+    chunks: closer than the cast-and-add it replaced, which rounds each product. Float32 inputs under bf16 autocast
+    (float32 weights with `bf16: true`, the shipped full fine-tune recipes) are multiplied in bf16, as autocast's
+    matmul would."""
     from sft.training.loss import add_weight_grad
 
     torch.manual_seed(0)
     chunks = [(torch.randn(512, 1000, device="cuda", dtype=dtype) / 30,
                torch.randn(512, 256, device="cuda", dtype=dtype)) for _ in range(8)]
-    exact = sum(g.double().T @ h.double() for g, h in chunks).float()
+    product = torch.bfloat16 if autocast else dtype  # the dtype the product is made in
+    exact = sum(g.to(product).double().T @ h.to(product).double() for g, h in chunks).float()
     fused = torch.zeros(1000, 256, device="cuda")
     cast_add = torch.zeros(1000, 256, device="cuda")
-    for grad_logits, hidden in chunks:
-        add_weight_grad(fused, grad_logits, hidden)
-        cast_add += (grad_logits.T @ hidden).float()
-    fused_gap, cast_gap = (float((g - exact).abs().max() / exact.abs().max()) for g in (fused, cast_add))
-    print(f"{dtype}: cuBLAS float32 accumulation {fused_gap:.2e}, cast and add {cast_gap:.2e}")
-    assert fused_gap <= cast_gap + 1e-6
-    assert fused_gap < 1e-3
-    assert not torch.equal(fused, cast_add)  # the cuBLAS path ran: the rounded products differ from it
-
-
-def test_weight_gradient_of_float32_inputs_under_autocast_accumulates_in_float32_on_gpu():
-    """float32 weights under bf16 autocast (the shipped full fine-tune recipes): the product runs in bf16 as
-    autocast's matmul would, and cuBLAS accumulates it in float32."""
-    from sft.training.loss import add_weight_grad
-
-    torch.manual_seed(0)
-    chunks = [(torch.randn(512, 1000, device="cuda") / 30, torch.randn(512, 256, device="cuda")) for _ in range(8)]
-    exact = sum(g.bfloat16().double().T @ h.bfloat16().double() for g, h in chunks).float()
-    fused = torch.zeros(1000, 256, device="cuda")
-    cast_add = torch.zeros(1000, 256, device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         for grad_logits, hidden in chunks:
             add_weight_grad(fused, grad_logits, hidden)
-            cast_add += (grad_logits.T @ hidden).float()  # autocast: a bf16 product, rounded, then added
+            cast_add += (grad_logits.T @ hidden).float()  # the product rounded to its dtype, then added
     fused_gap, cast_gap = (float((g - exact).abs().max() / exact.abs().max()) for g in (fused, cast_add))
-    print(f"float32 under autocast: cuBLAS float32 accumulation {fused_gap:.2e}, cast and add {cast_gap:.2e}")
-    assert fused_gap < 1e-5 < cast_gap
+    print(f"{dtype}, autocast {autocast}: cuBLAS float32 accumulation {fused_gap:.2e}, cast and add {cast_gap:.2e}")
+    assert fused_gap < 1e-5 < cast_gap  # the cuBLAS path ran: the rounded products are further off

@@ -16,7 +16,14 @@ from sft.models.compilation import compile_blocks
 from sft.planning import memory
 from sft.planning import plan as planner
 from sft.planning.hardware import find_gpu
-from sft.planning.memtrace import build_model, quantized_bytes, saved_per_layer, trace_step, train_steps
+from sft.planning.memtrace import (
+    build_model,
+    quantized_bytes,
+    saved_per_layer,
+    trace_step,
+    train_steps,
+    with_layers,
+)
 from sft.training.catalog import list_recipes
 from sft.training.recipe import load_recipe
 
@@ -45,10 +52,7 @@ def planned_and_traced(values: dict, arch, fake: bool = True) -> tuple[float, fl
 
 def small_arch(model: str = "meta-llama/Llama-3.2-1B", layers: int = 2, **sizes):
     """A real family's config with fewer layers (and optionally smaller widths), for the fast tier."""
-    arch = known_config(model)
-    arch.num_hidden_layers = layers
-    if getattr(arch, "layer_types", None):
-        arch.layer_types = arch.layer_types[:layers]
+    arch = with_layers(known_config(model), layers)
     for key, value in sizes.items():
         setattr(arch, key, value)
     return arch
@@ -540,9 +544,7 @@ def test_norms_beyond_llama_s_two_are_planned(sizes, extra, method):
     Llama's two norms a layer, a 16-layer Qwen3-0.6B full fine-tune at 2 x 4096 was -22.7% of the trace, OLMo-2-1B
     -19.7%, Gemma-3-1B -16.1% (now -2.0, -6.7, -4.2%). Exact widths counted from the model; the trace on 2 layers
     with a small vocabulary (activations dominate)."""
-    arch = family_config(sizes, num_hidden_layers=2, vocab_size=1000)
-    if getattr(arch, "layer_types", None):
-        arch.layer_types = arch.layer_types[:2]
+    arch = with_layers(family_config(sizes, vocab_size=1000), 2)
     values = recipe("x", method, 2, 4096, False)
     assert planner.model_facts(load_recipe(values), arch, method).extra_norm_width == extra
     planned, traced = planned_and_traced(values, arch)

@@ -279,6 +279,14 @@ def eval_step(model: nn.Module, config: SFTConfig, vocab_size: int, device: str)
                                                          chunk_rows(weight.shape[0]))
 
 
+def with_layers(model_config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    """A copy of the config with its first `layers` decoder layers (and their layer types, where it lists them)."""
+    values = {**model_config.to_dict(), "num_hidden_layers": layers}
+    if values.get("layer_types"):
+        values["layer_types"] = values["layer_types"][:layers]
+    return model_config.__class__.from_dict(values)
+
+
 def saved_per_layer(config: SFTConfig, model_config: PretrainedConfig, tokens: int, device: str = "cpu",
                     backend: str | None = None) -> dict[tuple[str, int], float]:
     """Bytes autograd saves per token in one decoder layer of the recipe's model, by (dtype, elements per token),
@@ -287,9 +295,7 @@ def saved_per_layer(config: SFTConfig, model_config: PretrainedConfig, tokens: i
     saved twice counts once. The LAYER_BYTES and COMPILED_SAVINGS of sft.planning.memory are fitted to these."""
     saved = {}
     for layers in (1, 2):
-        arch = model_config.__class__.from_dict({**model_config.to_dict(), "num_hidden_layers": layers})
-        if getattr(arch, "layer_types", None):
-            arch.layer_types = arch.layer_types[:layers]
+        arch = with_layers(model_config, layers)
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = build_model(config, arch, device)
@@ -303,7 +309,7 @@ def saved_per_layer(config: SFTConfig, model_config: PretrainedConfig, tokens: i
             def keep(tensor: torch.Tensor, seen: dict = seen) -> torch.Tensor:
                 storage = tensor.untyped_storage()
                 if storage.data_ptr() not in params:
-                    seen[storage.data_ptr()] = (str(tensor.dtype).removeprefix("torch."), storage.nbytes())
+                    seen[storage.data_ptr()] = (tensor.dtype, storage.nbytes())
                 return tensor
 
             with (torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16)),
@@ -311,8 +317,8 @@ def saved_per_layer(config: SFTConfig, model_config: PretrainedConfig, tokens: i
                 unwrapped(model).get_decoder()(input_ids=ids, use_cache=False)
         by_kind: dict[tuple[str, int], float] = {}
         for dtype, nbytes in seen.values():
-            width = nbytes // (tokens * torch.empty(0, dtype=getattr(torch, dtype)).element_size())
-            by_kind[dtype, width] = by_kind.get((dtype, width), 0) + nbytes / tokens
+            kind = (str(dtype).removeprefix("torch."), nbytes // (tokens * dtype.itemsize))
+            by_kind[kind] = by_kind.get(kind, 0) + nbytes / tokens
         saved[layers] = by_kind
     layer = {k: saved[2].get(k, 0) - saved[1].get(k, 0) for k in sorted(set(saved[1]) | set(saved[2]))}
     return {k: v for k, v in layer.items() if v}
