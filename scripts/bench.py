@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "torch_compile_mode max-autotune-no-cudagraphs), trl-flex|compile; "
                      "e.g. sft-varlen-compile-budget,trl-flex")
     gpu.add_argument("--liger", choices=("auto", "off"), default="auto", help="trl: use_liger_kernel where it imports")
+    gpu.add_argument("--vocab_rows", choices=("config", "tokenizer"), default="config",
+                     help="embedding rows: the config's, as published (default), or the tokenizer's count where "
+                     "smaller (Qwen2.5: 151,665 of 151,936; a head not 16-byte aligned, which sft pads)")
     gpu.add_argument("--profile", action="store_true", help="profile 2 more steps after the timed ones (not in "
                      "tokens/s): each run's step split into matmul, attention, optimizer, Triton, copy and other "
                      "kernels, the time no kernel ran, and the busiest kernels (JSON: runs[tool].profile)")

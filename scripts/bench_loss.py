@@ -19,6 +19,9 @@ tokens, the first (1 - fraction) of every row untrained (a masked prompt). --sma
   the fp32 gradient, as sft did before 2026-11-27 and still does on CPU (sft.training.loss.add_weight_grad now has
   cuBLAS accumulate it in fp32 on CUDA: addmm with out_dtype). On the H100 (Llama-3.2-1B head, 8 x 2048 rows) that
   took the loss from 70 to 50 ms at 50% trained, 137 to 98 ms at 100% (BENCHMARKS.md).
+- chunked-unpadded: `chunked` without the padded copy sft makes of a head whose rows are not 16-byte aligned
+  (sft.training.loss.aligned_head; with --vocab 151665, Qwen2.5's tokenizer size: cuBLAS ran such a head's matmuls
+  on sm75 align1 kernels, 61.5 of 122 ms of an H100 Qwen2.5-0.5B step's matmuls). The same as `chunked` otherwise.
 - chunked-compiled (only when named in --variants): `chunked` under torch.compile (compile time is reported apart,
   not in the median). Dynamo unrolls the chunk loop: compile time grows with the chunks (on 2 CPU cores 23 s for 8
   chunks, 47 s for 32), and the issue-19 shapes have 64 to 128 (128 rows each), so it is opt-in.
@@ -57,8 +60,8 @@ from sft.training import loss as sft_loss
 
 SHAPES = {"qwen2.5-0.5b": "qwen/qwen2.5-0.5b", "llama-3.2-1b": "meta-llama/llama-3.2-1b",
           "llama-3.1-8b": "meta-llama/llama-3.1-8b"}
-VARIANTS = ("chunked", "chunked-128rows", "chunked-4x", "chunked-cast-add", "chunked-compiled", "liger", "liger-all",
-            "full-logits")
+VARIANTS = ("chunked", "chunked-128rows", "chunked-4x", "chunked-cast-add", "chunked-unpadded", "chunked-compiled",
+            "liger", "liger-all", "full-logits")
 DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name != "chunked-compiled")
 WARMUP = 2
 
@@ -132,6 +135,21 @@ def chunked_cast_add(case: Case) -> Callable:
     return run_casting
 
 
+def chunked_unpadded(case: Case) -> Callable:
+    """`chunked` without the padded copy of a head whose rows are not 16-byte aligned (--vocab 151665)."""
+    run = chunked(case)
+
+    def run_unpadded(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        aligned = sft_loss.aligned_head
+        sft_loss.aligned_head = lambda head: head
+        try:
+            return run(hidden, weight)
+        finally:
+            sft_loss.aligned_head = aligned
+
+    return run_unpadded
+
+
 def liger(case: Case, every_row: bool) -> Callable:
     function = sft_loss.liger_linear_cross_entropy(case.hidden.device)  # SFTError (recorded) off CUDA
 
@@ -161,6 +179,8 @@ def build(name: str, case: Case) -> Callable:
         return chunked(case, rows=128)
     if name == "chunked-cast-add":
         return chunked_cast_add(case)
+    if name == "chunked-unpadded":
+        return chunked_unpadded(case)
     if name == "chunked-compiled":
         return chunked(case, compiled=True)
     if name in ("liger", "liger-all"):
@@ -219,7 +239,7 @@ def relative(grad: torch.Tensor | None, expected: torch.Tensor) -> float | None:
 def run_case(shape: str, fraction: float, args: argparse.Namespace, cases: list, save: Callable) -> None:
     """Measure every variant on one shape and fraction into a new entry of `cases`, calling save() after each."""
     config = known_config(SHAPES[shape])
-    hidden, vocab, batch, length = config.hidden_size, config.vocab_size, args.batch, args.length
+    hidden, vocab, batch, length = config.hidden_size, args.vocab or config.vocab_size, args.batch, args.length
     if args.small:
         hidden, vocab = hidden // 8, vocab // 16
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -271,6 +291,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fractions", default="0.5,1.0", help="trained fractions of the tokens")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS)} (default: all but chunked-compiled)")
+    parser.add_argument("--vocab", type=int, help="every shape's vocabulary (default: its config's; e.g. 151665, "
+                        "Qwen2.5's tokenizer: a head not 16-byte aligned, for chunked against chunked-unpadded)")
     parser.add_argument("--batch", type=int, help="rows (default 8; --small 4)")
     parser.add_argument("--length", type=int, help="tokens per row (default 2048; --small 256)")
     parser.add_argument("--repeats", type=int, help="timed repeats per variant (default 10; CPU 3)")

@@ -253,3 +253,38 @@ def test_weight_gradient_accumulates_in_float32_on_gpu(dtype, autocast):
     fused_gap, cast_gap = (float((g - exact).abs().max() / exact.abs().max()) for g in (fused, cast_add))
     print(f"{dtype}, autocast {autocast}: cuBLAS float32 accumulation {fused_gap:.2e}, cast and add {cast_gap:.2e}")
     assert fused_gap < 1e-5 < cast_gap  # the cuBLAS path ran: the rounded products are further off
+
+
+def test_an_unaligned_head_runs_aligned_kernels_on_gpu(monkeypatch):
+    """A bf16 head of 151,665 rows (Qwen2.5's tokenizer; not a multiple of 8) ran the chunked loss's three matmuls
+    on sm75 `align1` CUTLASS kernels: 61.5 of an H100 Qwen2.5-0.5B step's 122 ms of matmuls. Padded to 151,680 rows
+    (sft.training.loss.aligned_head) none runs; without the padding (the control) they do. Loss equal to 1e-3."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sft.training import loss as loss_module
+
+    torch.manual_seed(0)
+    hidden = torch.randn(4096, 896, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(151665, 896, device="cuda") / 30).to(torch.bfloat16)
+    targets = torch.randint(0, 151665, (4096,), device="cuda")
+    chunk = loss_module.chunk_rows(151665)
+
+    def run() -> tuple[float, set, float]:
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss_module.LinearCrossEntropy.apply(h, w, targets, torch.tensor(4096.0, device="cuda"), chunk).backward()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start.record()
+            loss = loss_module.LinearCrossEntropy.apply(h, w, targets, torch.tensor(4096.0, device="cuda"), chunk)
+            loss.backward()
+            end.record()
+            torch.cuda.synchronize()
+        return float(loss), {e.key for e in prof.key_averages() if "align1" in e.key}, start.elapsed_time(end)
+
+    loss, slow_kernels, ms = run()
+    monkeypatch.setattr(loss_module, "aligned_head", lambda w: w)
+    unpadded_loss, unpadded_slow, unpadded_ms = run()
+    print(f"151,665-row head, 4096 rows: padded {ms:.1f} ms, unpadded {unpadded_ms:.1f} ms (under the profiler); "
+          f"align1 kernels unpadded: {sorted(unpadded_slow)}")
+    assert not slow_kernels and unpadded_slow
+    assert abs(loss - unpadded_loss) < 1e-3

@@ -4,8 +4,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sft.data.encode import IGNORE_INDEX
+from sft.training import loss as loss_module
 from sft.training.loss import LinearCrossEntropy, attach_chunked_loss
 
 from conftest import make_llama, reference_causal_loss
@@ -113,3 +116,73 @@ def test_gemma3_chunked_loss_equals_its_own_and_a_soft_capped_head_keeps_its_own
     capped = copy.deepcopy(model.config)
     capped.get_text_config().final_logit_softcapping = 30.0
     assert not attach_chunked_loss(type(model)(capped))
+
+
+def head_case(vocab: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(37, 16, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, 16, generator=g) * 0.25).to(dtype).requires_grad_()
+    return hidden, weight, torch.randint(0, vocab, (37,), generator=g)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_an_unaligned_head_gives_the_loss_and_gradients_of_its_own_rows_only(smoothing):
+    """A head whose rows are not 16-byte aligned (301 float32 rows) runs padded with zero rows: the padding's logits
+    must stay out of the softmax, the smoothing mean and both gradients (F.cross_entropy over the 301 rows is the
+    reference)."""
+    hidden, weight, targets = head_case(301, torch.float32)
+    loss = LinearCrossEntropy.apply(hidden, weight, targets, torch.tensor(37.0), 8, smoothing)
+    loss.backward()
+    ref_hidden, ref_weight = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    reference = F.cross_entropy(ref_hidden @ ref_weight.T, targets, label_smoothing=smoothing)
+    reference.backward()
+    assert weight.grad.shape == (301, 16)
+    assert torch.allclose(loss, reference, atol=1e-6)
+    assert torch.allclose(hidden.grad, ref_hidden.grad, atol=1e-6)
+    assert torch.allclose(weight.grad, ref_weight.grad, atol=1e-6)
+    token_losses = loss_module.chunked_token_losses(hidden.detach(), weight.detach(), targets, 8)
+    assert torch.allclose(token_losses, F.cross_entropy(hidden @ weight.T, targets, reduction="none"), atol=1e-6)
+
+
+class GemmOperands(TorchDispatchMode):
+    """Records every matmul's 2-D inputs and output: (leading dimension in elements, byte offset) of each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operands = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            matrices = [a for a in (*args, out) if isinstance(a, torch.Tensor) and a.dim() == 2]
+            self.operands += [(max(m.stride()), m.storage_offset() * m.element_size()) for m in matrices]
+        return out
+
+    def misaligned(self) -> list:
+        return [(ld, offset) for ld, offset in self.operands if ld * 2 % 16 or offset % 16]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "float32_under_bf16_autocast"])
+def test_the_heads_matmuls_read_16_byte_aligned_rows_whatever_the_vocabulary(autocast, monkeypatch):
+    """cuBLAS takes sm75 align1 kernels for a half-precision matrix whose rows are not 16-byte aligned (a Qwen2.5-0.5B
+    head cut to 151,665 rows spent half its H100 step's matmul time there). Every matmul of the chunked loss, forward,
+    backward and eval, must read aligned rows for a 1,001-row head; without the padding (the negative control) they
+    do not; and the padded loss equals the unpadded one."""
+    hidden, weight, targets = head_case(1001, torch.float32 if autocast else torch.bfloat16)
+
+    def run() -> tuple:
+        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), GemmOperands() as gemms:
+            loss = LinearCrossEntropy.apply(h, w, targets, torch.tensor(37.0), 8)
+            loss.backward()
+            loss_module.chunked_token_losses(h.detach(), w.detach(), targets, 8)
+        return gemms, loss.detach(), h.grad, w.grad
+
+    gemms, loss, grad_hidden, grad_weight = run()
+    assert len(gemms.operands) >= 3 * 3 * 5 and not gemms.misaligned()
+    monkeypatch.setattr(loss_module, "aligned_head", lambda w: w)
+    unpadded, unpadded_loss, unpadded_hidden, unpadded_weight = run()
+    assert unpadded.misaligned()
+    assert torch.allclose(loss, unpadded_loss, rtol=1e-3)
+    assert torch.allclose(grad_hidden.float(), unpadded_hidden.float(), rtol=1e-2, atol=1e-4)
+    assert torch.allclose(grad_weight.float(), unpadded_weight.float(), rtol=1e-2, atol=1e-4)

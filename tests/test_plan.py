@@ -670,3 +670,27 @@ def test_a_multimodal_gemma3_eval_plan_matches_the_traced_eval_step(method, batc
     trace = trace_step(config, arch, evaluate=True)
     traced = trace.peak - trace.by_kind["Parameter"] - trace.by_kind.get("Buffer", 0)
     assert abs(planned / traced - 1) < 0.10, (planned / 2 ** 20, traced / 2 ** 20)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_an_unaligned_head_s_padded_copy_is_planned(method, monkeypatch):
+    """Qwen2.5-0.5B's head cut to its tokenizer's 151,665 rows (not 16-byte aligned in bf16) is read through a
+    padded copy in the chunked loss (sft.training.loss.aligned_head). The plan must count it, in training and eval;
+    the control plans it without the copy and must miss the LoRA step (a frozen head, where the copy is the only
+    head memory) by more than 10%."""
+    arch = small_arch("Qwen/Qwen2.5-0.5B", layers=2, vocab_size=151665)
+    values = recipe("Qwen/Qwen2.5-0.5B", method, 1, 512, False)
+    planned, traced = planned_and_traced(values, arch)
+    assert abs(planned / traced - 1) < 0.10, (planned / 2 ** 30, traced / 2 ** 30)
+    config = load_recipe({**values, "eval_strategy": "steps", "per_device_eval_batch_size": 8, "eval_split_size": 0.1})
+    setup = planner.setup_of(config, 1, 1)
+    eval_planned = memory.eval_bytes(config, arch, setup, planner.model_facts(config, arch, method))
+    trace = trace_step(config, arch, evaluate=True)
+    eval_traced = trace.peak - trace.by_kind["Parameter"] - trace.by_kind.get("Buffer", 0)
+    assert abs(eval_planned / eval_traced - 1) < 0.10, (eval_planned / 2 ** 20, eval_traced / 2 ** 20)
+    if method == "lora":
+        monkeypatch.setattr(memory, "head_rows", lambda vocab: vocab)
+        unpadded = planned_and_traced(values, arch)[0]
+        eval_unpadded = memory.eval_bytes(config, arch, setup, planner.model_facts(config, arch, method))
+        assert unpadded / traced < 0.9 and eval_unpadded / eval_traced < 0.9, (unpadded / traced,
+                                                                                 eval_unpadded / eval_traced)

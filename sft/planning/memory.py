@@ -15,7 +15,7 @@ from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.families import has_plain_head
 from sft.models.precision import upcasts_quantized_base
-from sft.training.loss import chunk_rows
+from sft.training.loss import chunk_rows, head_rows
 
 GIB = 2 ** 30
 # Bytes a token keeps per decoder layer without checkpointing, as multiples of (hidden, attention width
@@ -237,10 +237,12 @@ def head_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: 
     # one chunk: float32 logits (probabilities in place) beside the bf16 product they are cast from, then beside
     # their bf16 gradient (6 bytes a logit, traced; the previous chunk's are freed first)
     logits = min(chunk_rows(vocab), tokens) * vocab * 6
+    padded = head_rows(vocab)
+    copy = padded * h * 2 if padded != vocab else 0  # an unaligned head's padded 16-bit copy, while the forward runs
     # the head's gradient is accumulated in float32 and scaled once more in backward (2 x 4 bytes) then cast
-    weight_grad = vocab * h * 10 if trainable else 0
-    if activation_mix(config, setup) == "qlora":  # k-bit preparation made the head float32: autocast casts it
-        weight_grad += vocab * h * 2
+    weight_grad = max(vocab * h * 10, copy + padded * h * 4) if trainable else copy
+    if activation_mix(config, setup) == "qlora" and not copy:  # k-bit preparation made the head float32: autocast
+        weight_grad += vocab * h * 2  # casts it (the padded copy is made in autocast's dtype instead)
     return logits + weight_grad + tokens * h * 4
 
 
@@ -319,10 +321,12 @@ def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, 
     # the last hidden state and its trained rows, the float32 token losses (chunked_token_losses' output and
     # chunked_forward's per-position tensor), and one chunk at its peak: float32 logits and their log-softmax, or the
     # bf16 product beside the head's bf16 cast (k-bit preparation made a QLoRA head float32; autocast casts it per
-    # chunk), whichever is larger (traced: the previous chunk's are freed first)
-    rows = min(chunk_rows(vocab), tokens)
-    cast = vocab * h * 2 if mix == "qlora" else 0
-    head = tokens * 2 * h * 2 * scale + tokens * 8 + max(rows * vocab * 8, rows * vocab * 2 + cast)
+    # chunk), whichever is larger (traced: the previous chunk's are freed first); an unaligned head is read through
+    # its padded 16-bit copy instead, made once (sft.training.loss.aligned_head)
+    rows, padded = min(chunk_rows(vocab), tokens), head_rows(vocab)
+    copy = padded * h * 2 if padded != vocab else 0
+    cast = vocab * h * 2 if mix == "qlora" and not copy else 0
+    head = tokens * 2 * h * 2 * scale + tokens * 8 + copy + max(rows * vocab * 8, rows * padded * 2 + cast)
     # autocast keeps its bf16 copy of every float32 adapter weight until the forward ends
     adapters = 2 * model.trainable if setup.method != "full" and scale == 1 else 0
     return int(max(decoder, head) + adapters)

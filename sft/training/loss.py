@@ -31,6 +31,7 @@ from sft.data.encode import IGNORE_INDEX
 from sft.errors import SFTError
 from sft.models.adapters import head_layer, head_weight, unwrapped
 from sft.models.families import has_plain_head
+from sft.models.loading import EMBEDDING_MULTIPLE
 
 MIN_CHUNK_ROWS = 128  # below this the head matmuls get inefficient
 # Logits per chunk: 256 MB in fp32 (441 rows of Qwen2.5's 151,936-token vocabulary, 523 of Llama-3's 128,256, 2048 of
@@ -41,6 +42,12 @@ MIN_CHUNK_ROWS = 128  # below this the head matmuls get inefficient
 # (BENCHMARKS.md). At the peak a chunk holds 6 bytes a logit: 0.4 GB at Qwen2.5's vocabulary (128 rows held 0.2 GB,
 # at 12 bytes a logit before each chunk's tensors were freed ahead of the next's).
 CHUNK_ELEMENTS = 1 << 26
+# cuBLAS runs its tensor-core GEMMs on 16-byte-aligned leading dimensions only. The logits' row is the head's row
+# count, so a bf16 head whose rows are not a multiple of 8 (GPT-2's 50,257, Granite-3's 49,155, a vocabulary grown
+# by added tokens under LoRA, Qwen2.5's cut to its tokenizer's 151,665) ran its three matmuls on sm75 `align1` CUTLASS
+# kernels on an H100: 61.5 of a Qwen2.5-0.5B step's 122 ms of matmuls (BENCHMARKS.md). Such a head is copied with zero
+# rows to a multiple of 64 (a few hundred MB, once per step) and its extra logits are sliced off.
+HEAD_ALIGN_BYTES = 16
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -54,13 +61,15 @@ class LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, normalizer: torch.Tensor,
                 chunk: int, smoothing: float = 0.0) -> torch.Tensor:
         need_weight_grad = weight.requires_grad
+        vocab = weight.shape[0]
+        head = aligned_head(weight)  # the weight itself, or zero rows added: their logits are sliced off
         grad_hidden = torch.zeros_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
+        grad_weight = torch.zeros(head.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk], targets[start:start + chunk]
             rows = torch.arange(t.shape[0], device=t.device)
-            logits = (h @ weight.T).float()
+            logits = (h @ head.T)[:, :vocab].float()
             target_logit = logits[rows, t]
             mean_logit = logits.mean(dim=-1) if smoothing else None
             # One exp pass, in place: logits become softmax probabilities = d(loss)/d(logits) + onehot.
@@ -74,13 +83,14 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_logits = probs.div_(sums)
             grad_logits[rows, t] -= 1.0 - smoothing
             if smoothing:
-                grad_logits -= smoothing / weight.shape[0]
-            grad_logits = grad_logits.to(weight.dtype)
-            grad_hidden[start:start + chunk] = grad_logits @ weight
+                grad_logits -= smoothing / vocab
+            grad_logits = padded_cast(grad_logits, head)
+            grad_hidden[start:start + chunk] = grad_logits @ head
             if need_weight_grad:
                 add_weight_grad(grad_weight, grad_logits, h)
             del logits, probs, grad_logits  # else the next chunk's logits are made while this chunk's still live
-        ctx.save_for_backward(grad_hidden, grad_weight if need_weight_grad else torch.empty(0), normalizer)
+        del head
+        ctx.save_for_backward(grad_hidden, grad_weight[:vocab] if need_weight_grad else torch.empty(0), normalizer)
         ctx.need_weight_grad = need_weight_grad
         return total / normalizer
 
@@ -90,6 +100,41 @@ class LinearCrossEntropy(torch.autograd.Function):
         scale = grad_output / normalizer
         weight_grad = (grad_weight * scale).to(grad_hidden.dtype) if ctx.need_weight_grad else None
         return grad_hidden * scale.to(grad_hidden.dtype), weight_grad, None, None, None, None
+
+
+def aligned_head(weight: torch.Tensor) -> torch.Tensor:
+    """The head weight as the chunk matmuls read it: `weight` itself, or, where its rows in the matmuls' dtype are
+    not 16-byte aligned, a copy in that dtype with zero rows up to a multiple of 64 (see HEAD_ALIGN_BYTES).
+
+    The copy is made in autocast's dtype where autocast would cast a float32 weight: a copy is no leaf, so autocast
+    would cast it again for every chunk. Its gradient rows past the vocabulary stay zero and are dropped.
+    """
+    device = weight.device.type
+    dtype = torch.get_autocast_dtype(device) if weight.dtype == torch.float32 and torch.is_autocast_enabled(device) \
+        else weight.dtype
+    rows = head_rows(weight.shape[0], dtype.itemsize)
+    if rows == weight.shape[0]:
+        return weight
+    head = weight.new_zeros((rows, weight.shape[1]), dtype=dtype)
+    head[:weight.shape[0]] = weight
+    return head
+
+
+def head_rows(vocab: int, itemsize: int = 2) -> int:
+    """Rows the chunked loss's matmuls run the head at: `vocab`, or the next multiple of 64 where `vocab` rows of
+    `itemsize`-byte elements are not 16-byte aligned (the planner counts the same copy)."""
+    return vocab if vocab * itemsize % HEAD_ALIGN_BYTES == 0 else -(-vocab // EMBEDDING_MULTIPLE) * EMBEDDING_MULTIPLE
+
+
+def padded_cast(values: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """`values` ([rows, vocab]) in the head's dtype, with zero columns up to the head's rows: the logits' gradient as
+    the head's aligned matmuls take it (the zero columns add nothing to either gradient)."""
+    if values.shape[1] == head.shape[0]:
+        return values.to(head.dtype)
+    out = values.new_empty((values.shape[0], head.shape[0]), dtype=head.dtype)
+    out[:, values.shape[1]:] = 0
+    out[:, :values.shape[1]] = values
+    return out
 
 
 def add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -251,8 +296,9 @@ def liger_linear_cross_entropy(device: torch.device) -> Callable:
 def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
     """Each row's cross entropy (fp32), one chunk of logits at a time: eval never holds full-vocabulary logits."""
     out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    head = aligned_head(weight)
     for start in range(0, hidden.shape[0], chunk):
-        logits = (hidden[start:start + chunk] @ weight.T).float()
+        logits = (hidden[start:start + chunk] @ head.T)[:, :weight.shape[0]].float()
         out[start:start + chunk] = F.cross_entropy(logits, targets[start:start + chunk], reduction="none")
         del logits  # freed before the next chunk's are made
     return out
