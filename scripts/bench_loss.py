@@ -16,11 +16,11 @@ tokens, the first (1 - fraction) of every row untrained (a masked prompt). --sma
   (fp32, Qwen2.5-0.5B shape, 2048 trained rows) 128-row chunks took 60.7 s, 512-row 46.5 s, 2048-row 45.5 s.
 - chunked-4x: the same with 4x the rows per chunk (1 GB of fp32 logits per chunk).
 - chunked-cast-add: `chunked` with each chunk's weight-gradient product written in bf16, read, cast and added into
-  the fp32 gradient, as sft did before 2026-11-27 and still does on CPU (sft.training.loss.add_weight_grad now has
+  the fp32 gradient, as sft did before 2026-11-27 and still does on CPU (sft.training.linear_cross_entropy.add_weight_grad now has
   cuBLAS accumulate it in fp32 on CUDA: addmm with out_dtype). On the H100 (Llama-3.2-1B head, 8 x 2048 rows) that
   took the loss from 70 to 50 ms at 50% trained, 137 to 98 ms at 100% (BENCHMARKS.md).
 - chunked-unpadded: `chunked` without the padded copy sft makes of a head whose rows are not 16-byte aligned
-  (sft.training.loss.aligned_head; with --vocab 151665, Qwen2.5's tokenizer size: cuBLAS ran such a head's matmuls
+  (sft.training.linear_cross_entropy.aligned_head; with --vocab 151665, Qwen2.5's tokenizer size: cuBLAS ran such a head's matmuls
   on sm75 align1 kernels, 61.5 of 122 ms of an H100 Qwen2.5-0.5B step's matmuls). The same as `chunked` otherwise.
 - chunked-compiled (only when named in --variants): `chunked` under torch.compile (compile time is reported apart,
   not in the median). Dynamo unrolls the chunk loop: compile time grows with the chunks (on 2 CPU cores 23 s for 8
@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from sft.data.encode import IGNORE_INDEX
 from sft.models.architectures import known_config
+from sft.training import linear_cross_entropy as lce
 from sft.training import loss as sft_loss
 
 SHAPES = {"qwen2.5-0.5b": "qwen/qwen2.5-0.5b", "llama-3.2-1b": "meta-llama/llama-3.2-1b",
@@ -104,10 +105,10 @@ def chunked(case: Case, factor: int = 1, compiled: bool = False, rows: int | Non
     """LinearCrossEntropy at the trained rows (`rows` per chunk, else sft's chunk times `factor`); `compiled`: the
     kernel under torch.compile, the row selection eager (a boolean index is a data-dependent shape, a graph break
     there, and in SFTTrainer's compiled forward too)."""
-    chunk = rows or sft_loss.chunk_rows(case.weight.shape[0]) * factor
+    chunk = rows or lce.chunk_rows(case.weight.shape[0]) * factor
 
     def kernel(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return sft_loss.LinearCrossEntropy.apply(rows, weight, targets, case.normalizer, chunk, 0.0)
+        return lce.LinearCrossEntropy.apply(rows, weight, targets, case.normalizer, chunk, 0.0)
 
     kernel = torch.compile(kernel) if compiled else kernel
 
@@ -125,12 +126,12 @@ def chunked_cast_add(case: Case) -> Callable:
         grad_weight += (grad_logits.T @ hidden).float()
 
     def run_casting(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        add = sft_loss.add_weight_grad
-        sft_loss.add_weight_grad = cast_add
+        add = lce.add_weight_grad
+        lce.add_weight_grad = cast_add
         try:
             return run(hidden, weight)
         finally:
-            sft_loss.add_weight_grad = add
+            lce.add_weight_grad = add
 
     return run_casting
 
@@ -140,12 +141,12 @@ def chunked_unpadded(case: Case) -> Callable:
     run = chunked(case)
 
     def run_unpadded(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        aligned = sft_loss.aligned_head
-        sft_loss.aligned_head = lambda head: head
+        aligned = lce.aligned_head
+        lce.aligned_head = lambda head: head
         try:
             return run(hidden, weight)
         finally:
-            sft_loss.aligned_head = aligned
+            lce.aligned_head = aligned
 
     return run_unpadded
 

@@ -306,10 +306,11 @@ def compiled_graph_ops(chunks: int, monkeypatch) -> tuple[int, float]:
     from torch._dynamo.utils import counters
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from sft.training import linear_cross_entropy
     from sft.training import loss as loss_module
 
-    monkeypatch.setattr(loss_module, "MIN_CHUNK_ROWS", 8)
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 8 * 512)  # 8 rows per chunk at vocabulary 512
+    monkeypatch.setattr(linear_cross_entropy, "MIN_CHUNK_ROWS", 8)
+    monkeypatch.setattr(linear_cross_entropy, "CHUNK_ELEMENTS", 8 * 512)  # 8 rows per chunk at vocabulary 512
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, vocab_size=512))

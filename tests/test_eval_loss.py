@@ -30,8 +30,8 @@ class LargestVocabularyTensor(TorchFunctionMode):
 
 
 def test_eval_forward_never_holds_full_vocabulary_logits(monkeypatch):
-    monkeypatch.setattr("sft.training.loss.MIN_CHUNK_ROWS", 1)
-    monkeypatch.setattr("sft.training.loss.CHUNK_ELEMENTS", 7 * VOCAB)
+    monkeypatch.setattr("sft.training.linear_cross_entropy.MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr("sft.training.linear_cross_entropy.CHUNK_ELEMENTS", 7 * VOCAB)
     model = make_llama(VOCAB).eval()
     inputs = batch(VOCAB)
     with torch.no_grad(), LargestVocabularyTensor() as plain:

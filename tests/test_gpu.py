@@ -237,7 +237,7 @@ def test_weight_gradient_accumulates_in_float32_on_gpu(dtype, autocast):
     chunks: closer than the cast-and-add it replaced, which rounds each product. Float32 inputs under bf16 autocast
     (float32 weights with `bf16: true`, the shipped full fine-tune recipes) are multiplied in bf16, as autocast's
     matmul would."""
-    from sft.training.loss import add_weight_grad
+    from sft.training.linear_cross_entropy import add_weight_grad
 
     torch.manual_seed(0)
     chunks = [(torch.randn(512, 1000, device="cuda", dtype=dtype) / 30,
@@ -258,31 +258,31 @@ def test_weight_gradient_accumulates_in_float32_on_gpu(dtype, autocast):
 def test_an_unaligned_head_runs_aligned_kernels_on_gpu(monkeypatch):
     """A bf16 head of 151,665 rows (Qwen2.5's tokenizer; not a multiple of 8) ran the chunked loss's three matmuls
     on sm75 `align1` CUTLASS kernels: 61.5 of an H100 Qwen2.5-0.5B step's 122 ms of matmuls. Padded to 151,680 rows
-    (sft.training.loss.aligned_head) none runs; without the padding (the control) they do. Loss equal to 1e-3."""
+    (sft.training.linear_cross_entropy.aligned_head) none runs; without the padding (the control) they do. Loss equal to 1e-3."""
     from torch.profiler import ProfilerActivity, profile
 
-    from sft.training import loss as loss_module
+    from sft.training import linear_cross_entropy as kernel
 
     torch.manual_seed(0)
     hidden = torch.randn(4096, 896, device="cuda", dtype=torch.bfloat16)
     weight = (torch.randn(151665, 896, device="cuda") / 30).to(torch.bfloat16)
     targets = torch.randint(0, 151665, (4096,), device="cuda")
-    chunk = loss_module.chunk_rows(151665)
+    chunk = kernel.chunk_rows(151665)
 
     def run() -> tuple[float, set, float]:
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss_module.LinearCrossEntropy.apply(h, w, targets, torch.tensor(4096.0, device="cuda"), chunk).backward()
+        kernel.LinearCrossEntropy.apply(h, w, targets, torch.tensor(4096.0, device="cuda"), chunk).backward()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             start.record()
-            loss = loss_module.LinearCrossEntropy.apply(h, w, targets, torch.tensor(4096.0, device="cuda"), chunk)
+            loss = kernel.LinearCrossEntropy.apply(h, w, targets, torch.tensor(4096.0, device="cuda"), chunk)
             loss.backward()
             end.record()
             torch.cuda.synchronize()
         return float(loss), {e.key for e in prof.key_averages() if "align1" in e.key}, start.elapsed_time(end)
 
     loss, slow_kernels, ms = run()
-    monkeypatch.setattr(loss_module, "aligned_head", lambda w: w)
+    monkeypatch.setattr(kernel, "aligned_head", lambda w: w)
     unpadded_loss, unpadded_slow, unpadded_ms = run()
     print(f"151,665-row head, 4096 rows: padded {ms:.1f} ms, unpadded {unpadded_ms:.1f} ms (under the profiler); "
           f"align1 kernels unpadded: {sorted(unpadded_slow)}")

@@ -25,7 +25,8 @@ from sft.data.boundaries import token_lengths
 from sft.data.collators import TRAINED_TARGETS, HostCount, PackedCollator, PaddingFreeCollator
 from sft.data.packing import pack_dataset
 from sft.training import loss as loss_module
-from sft.training.loss import LinearCrossEntropy, attach_chunked_loss
+from sft.training.linear_cross_entropy import LinearCrossEntropy, chunk_rows
+from sft.training.loss import attach_chunked_loss
 
 from conftest import make_llama
 
@@ -147,7 +148,7 @@ def chunked_loss_and_grads(tokenizer, batch: dict, host_count: bool, reference: 
                                      use_cache=False).last_hidden_state
         targets = batch["labels"][:, 1:]
         keep = targets != -100
-        chunk = loss_module.chunk_rows(model.lm_head.weight.shape[0])
+        chunk = chunk_rows(model.lm_head.weight.shape[0])
         loss = LinearCrossEntropy.apply(hidden[:, :-1][keep], model.lm_head.weight, targets[keep],
                                         keep.sum().float().clamp(min=1), chunk, 0.1)
     else:

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sft.data.encode import IGNORE_INDEX
-from sft.training import loss as loss_module
-from sft.training.loss import LinearCrossEntropy, attach_chunked_loss
+from sft.training import linear_cross_entropy
+from sft.training.linear_cross_entropy import LinearCrossEntropy
+from sft.training.loss import attach_chunked_loss
 
 from conftest import make_llama, reference_causal_loss
 
@@ -29,8 +30,8 @@ def batch(vocab: int, seed: int = 0):
 
 @pytest.mark.parametrize("normalizer", [None, 97])
 def test_chunked_loss_and_gradients_equal_the_plain_ones(normalizer, monkeypatch):
-    monkeypatch.setattr("sft.training.loss.MIN_CHUNK_ROWS", 1)
-    monkeypatch.setattr("sft.training.loss.CHUNK_ELEMENTS", 7 * 300)  # 7-row chunks over a 300-token vocabulary: ragged split
+    monkeypatch.setattr("sft.training.linear_cross_entropy.MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr("sft.training.linear_cross_entropy.CHUNK_ELEMENTS", 7 * 300)  # 7-row chunks over a 300-token vocabulary: ragged split
     model = make_llama(300)
     inputs = batch(300)
     trained = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
@@ -140,7 +141,7 @@ def test_an_unaligned_head_gives_the_loss_and_gradients_of_its_own_rows_only(smo
     assert torch.allclose(loss, reference, atol=1e-6)
     assert torch.allclose(hidden.grad, ref_hidden.grad, atol=1e-6)
     assert torch.allclose(weight.grad, ref_weight.grad, atol=1e-6)
-    token_losses = loss_module.chunked_token_losses(hidden.detach(), weight.detach(), targets, 8)
+    token_losses = linear_cross_entropy.chunked_token_losses(hidden.detach(), weight.detach(), targets, 8)
     assert torch.allclose(token_losses, F.cross_entropy(hidden @ weight.T, targets, reduction="none"), atol=1e-6)
 
 
@@ -175,12 +176,12 @@ def test_the_heads_matmuls_read_16_byte_aligned_rows_whatever_the_vocabulary(aut
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), GemmOperands() as gemms:
             loss = LinearCrossEntropy.apply(h, w, targets, torch.tensor(37.0), 8)
             loss.backward()
-            loss_module.chunked_token_losses(h.detach(), w.detach(), targets, 8)
+            linear_cross_entropy.chunked_token_losses(h.detach(), w.detach(), targets, 8)
         return gemms, loss.detach(), h.grad, w.grad
 
     gemms, loss, grad_hidden, grad_weight = run()
     assert len(gemms.operands) >= 3 * 3 * 5 and not gemms.misaligned()
-    monkeypatch.setattr(loss_module, "aligned_head", lambda w: w)
+    monkeypatch.setattr(linear_cross_entropy, "aligned_head", lambda w: w)
     unpadded, unpadded_loss, unpadded_hidden, unpadded_weight = run()
     assert unpadded.misaligned()
     assert torch.allclose(loss, unpadded_loss, rtol=1e-3)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from test_loss import batch
 from test_trainer import toy_dataset
 
+import sft.training.linear_cross_entropy
 import sft.training.loss
 from sft import SFTConfig, SFTTrainer
 from sft.data.encode import IGNORE_INDEX
@@ -69,7 +70,7 @@ def test_liger_gets_the_trained_rows_only_and_equals_the_chunked_loss(smoothing,
     def fail(*args):
         raise AssertionError("LinearCrossEntropy ran although Liger was attached")
 
-    monkeypatch.setattr(sft.training.loss.LinearCrossEntropy, "apply", fail)
+    monkeypatch.setattr(sft.training.linear_cross_entropy.LinearCrossEntropy, "apply", fail)
     fused, fused_grads = loss_and_grads(model, inputs, normalizer)
     (call,) = liger.calls
     targets = inputs["labels"][:, 1:]

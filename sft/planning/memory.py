@@ -15,7 +15,7 @@ from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.families import has_plain_head
 from sft.models.precision import upcasts_quantized_base
-from sft.training.loss import chunk_rows, head_rows
+from sft.training.linear_cross_entropy import chunk_rows, head_rows
 
 GIB = 2 ** 30
 # Bytes a token keeps per decoder layer without checkpointing, as multiples of (hidden, attention width
@@ -322,7 +322,7 @@ def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, 
     # chunked_forward's per-position tensor), and one chunk at its peak: float32 logits and their log-softmax, or the
     # bf16 product beside the head's bf16 cast (k-bit preparation made a QLoRA head float32; autocast casts it per
     # chunk), whichever is larger (traced: the previous chunk's are freed first); an unaligned head is read through
-    # its padded 16-bit copy instead, made once (sft.training.loss.aligned_head)
+    # its padded 16-bit copy instead, made once (sft.training.linear_cross_entropy.aligned_head)
     rows, padded = min(chunk_rows(vocab), tokens), head_rows(vocab)
     copy = padded * h * 2 if padded != vocab else 0
     cast = vocab * h * 2 if mix == "qlora" and not copy else 0

@@ -33,13 +33,8 @@ from sft.errors import SFTError
 from sft.models.adapters import head_weight, unwrapped
 from sft.models.compilation import compile_blocks
 from sft.models.quantization import DTYPES, compute_dtype
-from sft.training.loss import (
-    LinearCrossEntropy,
-    chunk_rows,
-    chunked_token_losses,
-    supports_chunked_loss,
-    token_cross_entropy,
-)
+from sft.training.linear_cross_entropy import LinearCrossEntropy, chunk_rows, chunked_token_losses
+from sft.training.loss import supports_chunked_loss, token_cross_entropy
 
 QUANT_BLOCK = 64  # bitsandbytes' 4-bit block size: one absmax per 64 weights
 _NO_HOOK = types.SimpleNamespace(remove=lambda: None)
