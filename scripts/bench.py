@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu.add_argument("--profile", action="store_true", help="profile 2 more steps after the timed ones (not in "
                      "tokens/s): each run's step split into matmul, attention, optimizer, Triton, copy and other "
                      "kernels, the time no kernel ran, and the busiest kernels (JSON: runs[tool].profile)")
+    gpu.add_argument("--trace", metavar="DIR", help="with the profile, save each run's profiled steps as a gzipped "
+                     "Chrome trace in DIR, host operators included (scripts/trace_gaps.py: where the GPU waited)")
     gpu.add_argument("--suite", choices=("issue19", "issue19-full", "issue19-8b"), help="a fixed set of jobs")
     gpu.add_argument("--budget_s", type=float, default=540, help="seconds for the whole suite; each job gets an equal share of what is "
                      "left (a job that ends early leaves its time to the next); runs not finished in their job's share "
@@ -68,7 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worker", choices=("sft", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.trace:  # a trace is of the profiled steps
+        args.profile, args.trace = True, str(Path(args.trace).resolve())
+    return args
 
 
 # ---- setup shared by both tools (parent process) ----

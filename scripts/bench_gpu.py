@@ -173,11 +173,14 @@ def clock_callback(spec: dict, record: dict):
                 record["graphs_at_warmup"] = compiled_graphs()
             if len(record["ends"]) == timed_end:
                 record["graphs_at_timed_end"] = compiled_graphs()
-                if spec.get("profile"):
-                    record["profiler"] = start_profiler(spec["device"])
+                if spec.get("profile") or spec.get("trace"):
+                    record["profiler"] = start_profiler(spec["device"], host_ops=bool(spec.get("trace")))
             if len(record["ends"]) == timed_end + PROFILED and "profiler" in record:
                 seconds = record["ends"][-1] - record["ends"][timed_end - 1]
-                record["profile"] = kernel_breakdown(record.pop("profiler"), spec["device"], PROFILED, seconds)
+                profiler = record.pop("profiler")
+                record["profile"] = kernel_breakdown(profiler, spec["device"], PROFILED, seconds)
+                if spec.get("trace"):
+                    record["profile"]["trace"] = save_trace(profiler, spec)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -203,13 +206,33 @@ def kernel_kind(name: str) -> str:
     return kind or ("triton" if name.isidentifier() else "other")
 
 
-def start_profiler(device: str):
+def start_profiler(device: str, host_ops: bool = False):
+    """A profiler of the device's kernels; `host_ops` (--trace) also records torch's operators on the host, which
+    scripts/trace_gaps.py needs to name what the host ran while the GPU waited (more profiler overhead)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    if host_ops and device == "cuda":
+        activities.append(ProfilerActivity.CPU)
     profiler = profile(activities=activities)
     profiler.start()
     return profiler
+
+
+def save_trace(profiler, spec: dict) -> str:
+    """--trace: the profiled steps' Chrome trace, gzipped, as <trace dir>/<model>-<method>-<tool>.json.gz (for
+    scripts/trace_gaps.py, or chrome://tracing and Perfetto); returns its path."""
+    import gzip
+    import shutil
+
+    folder = Path(spec["trace"])
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{spec['model']}-{spec['method']}-{spec['tool']}.json"
+    profiler.export_chrome_trace(str(path))
+    with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    path.unlink()
+    return f"{path}.gz"
 
 
 def kernel_breakdown(profiler, device: str, steps: int, seconds: float) -> dict:
@@ -483,7 +506,7 @@ def run_job(job: Job, args, root: Path, peak: float, deadline: float) -> dict:
     result = {"job": asdict(job), "model": json.loads((workdir / "model.json").read_text()), "runs": {}}
     spec = asdict(job) | {"workdir": str(workdir), "device": args.device, "max_length": args.max_length,
                           "packing": args.packing != "off", "liger": args.liger == "auto",
-                          "profile": args.profile}
+                          "profile": args.profile, "trace": args.trace}
     for tool in args.tools.split(",") if args.tools else job.tools:
         if "varlen" in tool.split("-") and args.device != "cuda":
             result["runs"][tool] = {"tool": tool, "error": "skipped: varlen_attn runs on CUDA only"}

@@ -22,6 +22,9 @@ tokens, the first (1 - fraction) of every row untrained (a masked prompt). --sma
 - chunked-unpadded: `chunked` without the padded copy sft makes of a head whose rows are not 16-byte aligned
   (sft.training.linear_cross_entropy.aligned_head; with --vocab 151665, Qwen2.5's tokenizer size: cuBLAS ran such a head's matmuls
   on sm75 align1 kernels, 61.5 of 122 ms of an H100 Qwen2.5-0.5B step's matmuls). The same as `chunked` otherwise.
+- chunked-fused: `chunked` with each chunk's logits-to-gradient step compiled (inductor, dynamic rows), so the
+  float32 logits' five eager passes (cast, max, exp, sum, divide, cast back) can become one or two; compile time in
+  the first warm-up, not the median.
 - chunked-compiled (only when named in --variants): `chunked` under torch.compile (compile time is reported apart,
   not in the median). Dynamo unrolls the chunk loop: compile time grows with the chunks (on 2 CPU cores 23 s for 8
   chunks, 47 s for 32), and the issue-19 shapes have 64 to 128 (128 rows each), so it is opt-in.
@@ -61,8 +64,8 @@ from sft.training import loss as sft_loss
 
 SHAPES = {"qwen2.5-0.5b": "qwen/qwen2.5-0.5b", "llama-3.2-1b": "meta-llama/llama-3.2-1b",
           "llama-3.1-8b": "meta-llama/llama-3.1-8b"}
-VARIANTS = ("chunked", "chunked-128rows", "chunked-4x", "chunked-cast-add", "chunked-unpadded", "chunked-compiled",
-            "liger", "liger-all", "full-logits")
+VARIANTS = ("chunked", "chunked-128rows", "chunked-4x", "chunked-cast-add", "chunked-unpadded", "chunked-fused",
+            "chunked-compiled", "liger", "liger-all", "full-logits")
 DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name != "chunked-compiled")
 WARMUP = 2
 
@@ -151,6 +154,25 @@ def chunked_unpadded(case: Case) -> Callable:
     return run_unpadded
 
 
+def chunked_fused(case: Case) -> Callable:
+    """`chunked` with each chunk's logits-to-gradient step (sft.training.linear_cross_entropy.logit_gradients: the
+    matmul, a float32 cast, max, exp, sum, divide, the target's -1, the cast back; five passes over the chunk's
+    float32 logits in eager) compiled by inductor with dynamic rows (one graph for every chunk size), the chunk loop
+    eager."""
+    run = chunked(case)
+    fused = torch.compile(lce.logit_gradients, dynamic=True)
+
+    def run_fused(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        eager = lce.logit_gradients
+        lce.logit_gradients = fused
+        try:
+            return run(hidden, weight)
+        finally:
+            lce.logit_gradients = eager
+
+    return run_fused
+
+
 def liger(case: Case, every_row: bool) -> Callable:
     function = sft_loss.liger_linear_cross_entropy(case.hidden.device)  # SFTError (recorded) off CUDA
 
@@ -182,6 +204,8 @@ def build(name: str, case: Case) -> Callable:
         return chunked_cast_add(case)
     if name == "chunked-unpadded":
         return chunked_unpadded(case)
+    if name == "chunked-fused":
+        return chunked_fused(case)
     if name == "chunked-compiled":
         return chunked(case, compiled=True)
     if name in ("liger", "liger-all"):

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from sft import SFTConfig
+
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -76,3 +78,30 @@ def test_profiled_kernels_are_sorted_by_kind_from_their_names():
              "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "other",
              "aten::mm": "matmul", "aten::scatter_add_": "other"}
     assert {name: kernel_kind(name) for name in kinds} == kinds
+
+
+def test_peftadd_runs_peft_s_own_lora_forward_and_is_no_recipe_key():
+    from bench_gpu import PEFT_ADD
+
+    assert tool_settings("sft-varlen-peftadd") == ("sft", {"attn_implementation": "varlen", PEFT_ADD: True})
+    assert PEFT_ADD not in SFTConfig.__dataclass_fields__
+
+
+def test_trace_gaps_charges_each_gpu_wait_to_the_outermost_host_work_running():
+    """A GPU timeline with two waits: one while the host reads a value (aten::item, its nested op inside), one in
+    the optimizer's step; a 5 µs gap is under the threshold; gaps on one stream covered by another are not gaps."""
+    from trace_gaps import analyse
+
+    def event(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    events = [event("kernel", "gemm", 0, 10, 7), event("kernel", "add", 10, 10, 7), event("kernel", "gemm", 50, 10, 7),
+              event("kernel", "exp", 65, 5, 7), event("kernel", "copy", 200, 10, 8), event("kernel", "adam", 205, 20, 7),
+              event("cpu_op", "aten::item", 20, 29), event("cpu_op", "aten::_local_scalar_dense", 21, 27),
+              event("user_annotation", "Optimizer.step#AdamW.step", 100, 90, 2),
+              event("cuda_runtime", "cudaLaunchKernel", 190, 5, 2)]
+    result = analyse(events, min_us=20)
+    assert result["span_us"] == 225 and result["idle_us"] == 30 + 130
+    assert result["by_host"] == [("Optimizer.step#AdamW.step", 130, 1), ("aten::item", 30, 1)]
+    assert [(start, end) for start, end, _ in result["longest"]] == [(70, 200), (20, 50)]
+    assert analyse([event("cpu_op", "aten::mm", 0, 5)], 20) == {"gpu_events": 0}

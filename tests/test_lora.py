@@ -432,7 +432,8 @@ def test_lora_layers_add_the_adapter_inside_its_matmul(tmp_path, tiny_model_dir,
 
 
 def test_a_fused_lora_layer_falls_back_to_peft_where_peft_does_more(tmp_path, tiny_model_dir, data_file):
-    """With the adapter disabled the model is its base; DoRA layers keep peft's forward (their magnitude)."""
+    """With the adapter disabled the model is its base; DoRA layers keep peft's forward (their magnitude), and so do
+    layers whose lora_B weight only its own call gathers (a ZeRO-3 partition, marked by its ds_id)."""
     config = recipe(tiny_model_dir, data_file, tmp_path)
     model, _ = fit(config)
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
@@ -450,3 +451,8 @@ def test_a_fused_lora_layer_falls_back_to_peft_where_peft_does_more(tmp_path, ti
     with OpCounts() as dora_ops:
         dora(input_ids=batch)
     assert dora_ops.counts["addmm"] == 0
+    for layer in layers:
+        layer.lora_B["default"].weight.ds_id = 0
+    with OpCounts() as partitioned_ops:
+        assert torch.allclose(model(input_ids=batch).logits, base, atol=1e-6)
+    assert partitioned_ops.counts["addmm"] == 0

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 try:  # peft defines its bitsandbytes layers only where bitsandbytes imports
     from peft.tuners.lora.bnb import Linear4bit, Linear8bitLt
@@ -28,11 +29,17 @@ def fuse_adapter_add(model: nn.Module) -> int:
     """Make the plain LoRA layers of `model` (peft's over nn.Linear and bitsandbytes' 4- and 8-bit linears, exactly
     those types) add their adapter inside its matmul; returns how many. A layer falls back to peft's own forward
     whenever peft's does more than the plain sum: adapters disabled or merged, several or mixed-batch adapters, a
-    variant (DoRA), a bias on lora_B, ZeRO-3 partitioned weights (gathered only by the module's own call)."""
+    variant (DoRA), a bias on lora_B, a lora_B weight that only its own call gathers (ZeRO-3, an FSDP2 unit)."""
     layers = [m for m in model.modules() if type(m) in FUSED_TYPES]
     for layer in layers:
         layer.forward = types.MethodType(fused_forward, layer)
     return len(layers)
+
+
+def not_gathered(weight: torch.Tensor) -> bool:
+    """Whether a sharded wrapper gathers `weight` only in its module's own call: a ZeRO-3 partition, or a DTensor
+    (lora_B as an FSDP2 unit of its own)."""
+    return hasattr(weight, "ds_id") or isinstance(weight, DTensor)
 
 
 def fused_forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -40,7 +47,7 @@ def fused_forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) 
     name = self.active_adapters[0] if len(self.active_adapters) == 1 else None
     lora_B = self.lora_B[name] if name in self.lora_B else None
     if (kwargs or self.disable_adapters or self.merged or lora_B is None or name in self.lora_variant
-            or lora_B.bias is not None or hasattr(lora_B.weight, "ds_id")):
+            or lora_B.bias is not None or not_gathered(lora_B.weight)):
         return type(self).forward(self, x, *args, **kwargs)
     result = self.base_layer(x, *args)
     lora_A = self.lora_A[name]

@@ -22,12 +22,14 @@ MIN_CHUNK_ROWS = 128  # below this the head matmuls get inefficient
 # (BENCHMARKS.md). At the peak a chunk holds 6 bytes a logit: 0.4 GB at Qwen2.5's vocabulary (128 rows held 0.2 GB,
 # at 12 bytes a logit before each chunk's tensors were freed ahead of the next's).
 CHUNK_ELEMENTS = 1 << 26
-# cuBLAS runs its tensor-core GEMMs on 16-byte-aligned leading dimensions only. The logits' row is the head's row
-# count, so a bf16 head whose rows are not a multiple of 8 (GPT-2's 50,257, Granite-3's 49,155, a vocabulary grown
-# by added tokens under LoRA, Qwen2.5's cut to its tokenizer's 151,665) ran its three matmuls on sm75 `align1` CUTLASS
-# kernels on an H100: 61.5 of a Qwen2.5-0.5B step's 122 ms of matmuls (BENCHMARKS.md). Such a head is copied with zero
-# rows to a multiple of 64 (a few hundred MB, once per step) and its extra logits are sliced off.
-HEAD_ALIGN_BYTES = 16
+# cuBLAS runs its half-precision tensor-core GEMMs on 16-byte-aligned leading dimensions only. The logits' row is the
+# head's row count, so a bf16 head whose rows are not a multiple of 8 (GPT-2's 50,257, Granite-3's 49,155, a
+# vocabulary grown by added tokens under LoRA, Qwen2.5's cut to its tokenizer's 151,665) ran its three matmuls on sm75
+# `align1` CUTLASS kernels on an H100: 61.5 of a Qwen2.5-0.5B step's 122 ms of matmuls (BENCHMARKS.md). Such a head
+# is copied with zero rows to a multiple of 64 (a few hundred MB, once per step) and its extra logits are sliced off.
+# Float32 matmuls are left as they are: their kernels do not need it, and on CPU (where float32 runs) the sliced
+# logits' strided passes made the loss slower (151 vs 101 ms, scripts/bench_loss.py --small --vocab 151665).
+HALF_ROW_MULTIPLE = 8
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -47,28 +49,13 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(head.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
-            h, t = hidden[start:start + chunk], targets[start:start + chunk]
-            rows = torch.arange(t.shape[0], device=t.device)
-            logits = (h @ head.T)[:, :vocab].float()
-            target_logit = logits[rows, t]
-            mean_logit = logits.mean(dim=-1) if smoothing else None
-            # One exp pass, in place: logits become softmax probabilities = d(loss)/d(logits) + onehot.
-            peak = logits.amax(dim=-1, keepdim=True)
-            probs = logits.sub_(peak).exp_()
-            sums = probs.sum(dim=-1, keepdim=True)
-            log_norm = peak.squeeze(1) + sums.squeeze(1).log()
-            total += (log_norm - target_logit).sum() * (1 - smoothing)
-            if smoothing:  # mean over the vocabulary of -log p = log_norm - mean logit
-                total += (log_norm - mean_logit).sum() * smoothing
-            grad_logits = probs.div_(sums)
-            grad_logits[rows, t] -= 1.0 - smoothing
-            if smoothing:
-                grad_logits -= smoothing / vocab
-            grad_logits = padded_cast(grad_logits, head)
+            h = hidden[start:start + chunk]
+            grad_logits, loss = logit_gradients(h, head, targets[start:start + chunk], vocab, smoothing)
+            total += loss
             grad_hidden[start:start + chunk] = grad_logits @ head
             if need_weight_grad:
                 add_weight_grad(grad_weight, grad_logits, h)
-            del logits, probs, grad_logits  # else the next chunk's logits are made while this chunk's still live
+            del grad_logits  # else the next chunk's logits are made while this chunk's gradient is still live
         del head
         ctx.save_for_backward(grad_hidden, grad_weight[:vocab] if need_weight_grad else torch.empty(0), normalizer)
         ctx.need_weight_grad = need_weight_grad
@@ -83,8 +70,8 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 def aligned_head(weight: torch.Tensor) -> torch.Tensor:
-    """The head weight as the chunk matmuls read it: `weight` itself, or, where its rows in the matmuls' dtype are
-    not 16-byte aligned, a copy in that dtype with zero rows up to a multiple of 64 (see HEAD_ALIGN_BYTES).
+    """The head weight as the chunk matmuls read it: `weight` itself, or, where the matmuls run in half precision and
+    its rows are not 16-byte aligned, a copy in that dtype with zero rows up to a multiple of 64 (HALF_ROW_MULTIPLE).
 
     The copy is made in autocast's dtype where autocast would cast a float32 weight: a copy is no leaf, so autocast
     would cast it again for every chunk. Its gradient rows past the vocabulary stay zero and are dropped.
@@ -101,20 +88,43 @@ def aligned_head(weight: torch.Tensor) -> torch.Tensor:
 
 
 def head_rows(vocab: int, itemsize: int = 2) -> int:
-    """Rows the chunked loss's matmuls run the head at: `vocab`, or the next multiple of 64 where `vocab` rows of
-    `itemsize`-byte elements are not 16-byte aligned (the planner counts the same copy)."""
-    return vocab if vocab * itemsize % HEAD_ALIGN_BYTES == 0 else -(-vocab // EMBEDDING_MULTIPLE) * EMBEDDING_MULTIPLE
+    """Rows the chunked loss's matmuls run the head at: `vocab`, or the next multiple of 64 where the matmuls are in
+    half precision (`itemsize` 2) and `vocab` rows are not 16-byte aligned (the planner counts the same copy)."""
+    if itemsize != 2 or vocab % HALF_ROW_MULTIPLE == 0:
+        return vocab
+    return -(-vocab // EMBEDDING_MULTIPLE) * EMBEDDING_MULTIPLE
 
 
-def padded_cast(values: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """`values` ([rows, vocab]) in the head's dtype, with zero columns up to the head's rows: the logits' gradient as
-    the head's aligned matmuls take it (the zero columns add nothing to either gradient)."""
-    if values.shape[1] == head.shape[0]:
-        return values.to(head.dtype)
-    out = values.new_empty((values.shape[0], head.shape[0]), dtype=head.dtype)
-    out[:, values.shape[1]:] = 0
-    out[:, :values.shape[1]] = values
-    return out
+def logit_gradients(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, vocab: int,
+                    smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's logits (hidden @ head.T) and their d(summed cross entropy)/d(logits), in the head's dtype and as
+    wide as its rows (zero past `vocab`: a padded head's extra columns add nothing to either gradient), and the
+    chunk's summed loss in float32.
+
+    The matmul's product is freed once cast to float32 (6 bytes a logit at the peak, as the planner counts). One exp
+    pass, in place: the float32 logits become softmax probabilities = d(loss)/d(logits) + onehot.
+    """
+    rows = torch.arange(targets.shape[0], device=targets.device)
+    logits = (hidden @ head.T)[:, :vocab].float()
+    target_logit = logits[rows, targets]
+    mean_logit = logits.mean(dim=-1) if smoothing else None
+    peak = logits.amax(dim=-1, keepdim=True)
+    probs = logits.sub_(peak).exp_()
+    sums = probs.sum(dim=-1, keepdim=True)
+    log_norm = peak.squeeze(1) + sums.squeeze(1).log()
+    total = (log_norm - target_logit).sum() * (1 - smoothing)
+    if smoothing:  # mean over the vocabulary of -log p = log_norm - mean logit
+        total = total + (log_norm - mean_logit).sum() * smoothing
+    grad = probs.div_(sums)
+    grad[rows, targets] -= 1.0 - smoothing
+    if smoothing:
+        grad -= smoothing / vocab
+    if vocab == head.shape[0]:
+        return grad.to(head.dtype), total
+    out = grad.new_empty((grad.shape[0], head.shape[0]), dtype=head.dtype)
+    out[:, vocab:] = 0
+    out[:, :vocab] = grad
+    return out, total
 
 
 def add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
