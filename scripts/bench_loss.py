@@ -9,7 +9,7 @@ Shapes: hidden size and vocabulary of Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8
 tokens, the first (1 - fraction) of every row untrained (a masked prompt). --small: hidden / 8, vocabulary / 16,
 4 x 256 tokens, fp32. Each variant gets the same random hidden states, head weight and targets (seed 0):
 
-- chunked: what SFTTrainer runs, sft.training.loss.LinearCrossEntropy at the trained rows (hidden[keep]).
+- chunked: what SFTTrainer runs, sft.training.linear_cross_entropy.LinearCrossEntropy at the trained rows.
 - chunked-128rows: the same with 128 rows per chunk, sft's chunk before 2026-11-26 (32 MB of fp32 logits at big
   vocabularies; now 256 MB). Each chunk adds its bf16 weight-gradient product into the fp32 gradient ([vocab,
   hidden] written in bf16, read, cast, added: about 20 bytes per weight), a cost per chunk, not per row: on CPU

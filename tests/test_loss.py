@@ -132,9 +132,10 @@ def test_an_unaligned_head_gives_the_loss_and_gradients_of_its_own_rows_only(smo
     the softmax, the smoothing mean and both gradients. Against the same loss without the padding: loss and the
     float32-accumulated weight gradient to 1e-6, the input gradient within its bf16 rounding."""
     hidden, weight, targets = head_case(301, torch.float32)
-    assert linear_cross_entropy.aligned_head(weight).shape == (301, 16)  # float32 matmuls: no copy
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert linear_cross_entropy.aligned_head(weight).shape == (320, 16)
+    assert linear_cross_entropy.aligned_head(weight[:300]).shape == (300, 16)  # 300 float32 rows are aligned
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # in bf16 they are not: a bf16 copy of 320 rows
+        padded = linear_cross_entropy.aligned_head(weight[:300])
+        assert padded.shape == (320, 16) and padded.dtype == torch.bfloat16 and not padded[300:].any()
 
     def run() -> tuple:
         h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()

@@ -22,14 +22,13 @@ MIN_CHUNK_ROWS = 128  # below this the head matmuls get inefficient
 # (BENCHMARKS.md). At the peak a chunk holds 6 bytes a logit: 0.4 GB at Qwen2.5's vocabulary (128 rows held 0.2 GB,
 # at 12 bytes a logit before each chunk's tensors were freed ahead of the next's).
 CHUNK_ELEMENTS = 1 << 26
-# cuBLAS runs its half-precision tensor-core GEMMs on 16-byte-aligned leading dimensions only. The logits' row is the
-# head's row count, so a bf16 head whose rows are not a multiple of 8 (GPT-2's 50,257, Granite-3's 49,155, a
-# vocabulary grown by added tokens under LoRA, Qwen2.5's cut to its tokenizer's 151,665) ran its three matmuls on sm75
-# `align1` CUTLASS kernels on an H100: 61.5 of a Qwen2.5-0.5B step's 122 ms of matmuls (BENCHMARKS.md). Such a head
-# is copied with zero rows to a multiple of 64 (a few hundred MB, once per step) and its extra logits are sliced off.
-# Float32 matmuls are left as they are: their kernels do not need it, and on CPU (where float32 runs) the sliced
-# logits' strided passes made the loss slower (151 vs 101 ms, scripts/bench_loss.py --small --vocab 151665).
-HALF_ROW_MULTIPLE = 8
+# cuBLAS runs its tensor-core GEMMs on 16-byte-aligned leading dimensions only. The logits' row is the head's row
+# count, so a bf16 head whose rows are not a multiple of 8 (GPT-2's 50,257, Granite-3's 49,155, a vocabulary grown by
+# added tokens under LoRA, Qwen2.5's cut to its tokenizer's 151,665) ran its three matmuls on sm75 `align1` CUTLASS
+# kernels on an H100: 61.5 of a Qwen2.5-0.5B step's 122 ms of matmuls (BENCHMARKS.md). Such a head is copied with zero
+# rows to a multiple of 64 (a few hundred MB, once per step) and its extra logits are sliced off. CPU BLAS gains too:
+# the float32 loss of that head, 2048 rows, took 12.9 s padded and 16.0 s not (2 cores, 2026-11-27).
+HEAD_ALIGN_BYTES = 16
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -70,8 +69,8 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 def aligned_head(weight: torch.Tensor) -> torch.Tensor:
-    """The head weight as the chunk matmuls read it: `weight` itself, or, where the matmuls run in half precision and
-    its rows are not 16-byte aligned, a copy in that dtype with zero rows up to a multiple of 64 (HALF_ROW_MULTIPLE).
+    """The head weight as the chunk matmuls read it: `weight` itself, or, where its rows in the matmuls' dtype are
+    not 16-byte aligned, a copy in that dtype with zero rows up to a multiple of 64 (HEAD_ALIGN_BYTES).
 
     The copy is made in autocast's dtype where autocast would cast a float32 weight: a copy is no leaf, so autocast
     would cast it again for every chunk. Its gradient rows past the vocabulary stay zero and are dropped.
@@ -88,9 +87,9 @@ def aligned_head(weight: torch.Tensor) -> torch.Tensor:
 
 
 def head_rows(vocab: int, itemsize: int = 2) -> int:
-    """Rows the chunked loss's matmuls run the head at: `vocab`, or the next multiple of 64 where the matmuls are in
-    half precision (`itemsize` 2) and `vocab` rows are not 16-byte aligned (the planner counts the same copy)."""
-    if itemsize != 2 or vocab % HALF_ROW_MULTIPLE == 0:
+    """Rows the chunked loss's matmuls run the head at: `vocab`, or the next multiple of 64 where `vocab` rows of
+    `itemsize`-byte elements are not 16-byte aligned (the planner counts the same copy, in 16-bit)."""
+    if vocab * itemsize % HEAD_ALIGN_BYTES == 0:
         return vocab
     return -(-vocab // EMBEDDING_MULTIPLE) * EMBEDDING_MULTIPLE
 
