@@ -8,8 +8,8 @@ a fresh process with the same data, steps, batch and seed. Reached through scrip
 Shapes come from sft/models/architectures.py (`known_config`); the tokenizers from ../shared/fixtures/tokenizers. The
 model has the config's embedding rows, as the published model has (Qwen2.5 pads its 151,665 tokens to 151,936);
 `--vocab_rows tokenizer` cuts them to the tokenizer's size (what the runs of 2026-11-26 and 27 did: a head whose rows
-are not a multiple of 8, read through sft's padded copy, sft.training.linear_cross_entropy.aligned_head). The result says which
-(`vocab_size`, `config_vocab_size`).
+are not a multiple of 8, read through sft's padded copy, sft.training.linear_cross_entropy.aligned_head). The result
+says which (`vocab_size`, `config_vocab_size`).
 """
 
 import gc

@@ -16,12 +16,14 @@ tokens, the first (1 - fraction) of every row untrained (a masked prompt). --sma
   (fp32, Qwen2.5-0.5B shape, 2048 trained rows) 128-row chunks took 60.7 s, 512-row 46.5 s, 2048-row 45.5 s.
 - chunked-4x: the same with 4x the rows per chunk (1 GB of fp32 logits per chunk).
 - chunked-cast-add: `chunked` with each chunk's weight-gradient product written in bf16, read, cast and added into
-  the fp32 gradient, as sft did before 2026-11-27 and still does on CPU (sft.training.linear_cross_entropy.add_weight_grad now has
-  cuBLAS accumulate it in fp32 on CUDA: addmm with out_dtype). On the H100 (Llama-3.2-1B head, 8 x 2048 rows) that
+  the fp32 gradient, as sft did before 2026-11-27 and still does on CPU
+  (sft.training.linear_cross_entropy.add_weight_grad now has cuBLAS accumulate it in fp32 on CUDA: addmm with
+  out_dtype). On the H100 (Llama-3.2-1B head, 8 x 2048 rows) that
   took the loss from 70 to 50 ms at 50% trained, 137 to 98 ms at 100% (BENCHMARKS.md).
 - chunked-unpadded: `chunked` without the padded copy sft makes of a head whose rows are not 16-byte aligned
-  (sft.training.linear_cross_entropy.aligned_head; with --vocab 151665, Qwen2.5's tokenizer size: cuBLAS ran such a head's matmuls
-  on sm75 align1 kernels, 61.5 of 122 ms of an H100 Qwen2.5-0.5B step's matmuls). The same as `chunked` otherwise.
+  (sft.training.linear_cross_entropy.aligned_head; with --vocab 151665, Qwen2.5's tokenizer size: cuBLAS ran such a
+  head's matmuls on sm75 align1 kernels, 61.5 of 122 ms of an H100 Qwen2.5-0.5B step's matmuls). The same as
+  `chunked` otherwise.
 - chunked-fused: `chunked` with each chunk's logits-to-gradient step compiled (inductor, dynamic rows), so the
   float32 logits' five eager passes (cast, max, exp, sum, divide, cast back) can become one or two; compile time in
   the first warm-up, not the median.
@@ -121,37 +123,30 @@ def chunked(case: Case, factor: int = 1, compiled: bool = False, rows: int | Non
     return run
 
 
-def chunked_cast_add(case: Case) -> Callable:
-    """`chunked` with the weight gradient's product made in the inputs' dtype, then cast and added in float32."""
-    run = chunked(case)
-
-    def cast_add(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-        grad_weight += (grad_logits.T @ hidden).float()
-
-    def run_casting(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        add = lce.add_weight_grad
-        lce.add_weight_grad = cast_add
+def with_kernel_part(run: Callable, name: str, part: Callable) -> Callable:
+    """`run` with sft.training.linear_cross_entropy's function `name` replaced by `part` while it runs."""
+    def run_with(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        original = getattr(lce, name)
+        setattr(lce, name, part)
         try:
             return run(hidden, weight)
         finally:
-            lce.add_weight_grad = add
+            setattr(lce, name, original)
 
-    return run_casting
+    return run_with
+
+
+def chunked_cast_add(case: Case) -> Callable:
+    """`chunked` with the weight gradient's product made in the inputs' dtype, then cast and added in float32."""
+    def cast_add(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        grad_weight += (grad_logits.T @ hidden).float()
+
+    return with_kernel_part(chunked(case), "add_weight_grad", cast_add)
 
 
 def chunked_unpadded(case: Case) -> Callable:
     """`chunked` without the padded copy of a head whose rows are not 16-byte aligned (--vocab 151665)."""
-    run = chunked(case)
-
-    def run_unpadded(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        aligned = lce.aligned_head
-        lce.aligned_head = lambda head: head
-        try:
-            return run(hidden, weight)
-        finally:
-            lce.aligned_head = aligned
-
-    return run_unpadded
+    return with_kernel_part(chunked(case), "aligned_head", lambda head: head)
 
 
 def chunked_fused(case: Case) -> Callable:
@@ -159,18 +154,7 @@ def chunked_fused(case: Case) -> Callable:
     matmul, a float32 cast, max, exp, sum, divide, the target's -1, the cast back; five passes over the chunk's
     float32 logits in eager) compiled by inductor with dynamic rows (one graph for every chunk size), the chunk loop
     eager."""
-    run = chunked(case)
-    fused = torch.compile(lce.logit_gradients, dynamic=True)
-
-    def run_fused(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        eager = lce.logit_gradients
-        lce.logit_gradients = fused
-        try:
-            return run(hidden, weight)
-        finally:
-            lce.logit_gradients = eager
-
-    return run_fused
+    return with_kernel_part(chunked(case), "logit_gradients", torch.compile(lce.logit_gradients, dynamic=True))
 
 
 def liger(case: Case, every_row: bool) -> Callable:

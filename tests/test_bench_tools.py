@@ -96,7 +96,8 @@ def test_trace_gaps_charges_each_gpu_wait_to_the_outermost_host_work_running():
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
 
     events = [event("kernel", "gemm", 0, 10, 7), event("kernel", "add", 10, 10, 7), event("kernel", "gemm", 50, 10, 7),
-              event("kernel", "exp", 65, 5, 7), event("kernel", "copy", 200, 10, 8), event("kernel", "adam", 205, 20, 7),
+              event("kernel", "exp", 65, 5, 7), event("kernel", "copy", 200, 10, 8),
+              event("kernel", "adam", 205, 20, 7),
               event("cpu_op", "aten::item", 20, 29), event("cpu_op", "aten::_local_scalar_dense", 21, 27),
               event("user_annotation", "Optimizer.step#AdamW.step", 100, 90, 2),
               event("cuda_runtime", "cudaLaunchKernel", 190, 5, 2)]

@@ -258,7 +258,8 @@ def test_weight_gradient_accumulates_in_float32_on_gpu(dtype, autocast):
 def test_an_unaligned_head_runs_aligned_kernels_on_gpu(monkeypatch):
     """A bf16 head of 151,665 rows (Qwen2.5's tokenizer; not a multiple of 8) ran the chunked loss's three matmuls
     on sm75 `align1` CUTLASS kernels: 61.5 of an H100 Qwen2.5-0.5B step's 122 ms of matmuls. Padded to 151,680 rows
-    (sft.training.linear_cross_entropy.aligned_head) none runs; without the padding (the control) they do. Loss equal to 1e-3."""
+    (sft.training.linear_cross_entropy.aligned_head) none runs; without the padding (the control) they do. Loss
+    equal to 1e-3."""
     from torch.profiler import ProfilerActivity, profile
 
     from sft.training import linear_cross_entropy as kernel

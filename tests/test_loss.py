@@ -30,7 +30,8 @@ def batch(vocab: int, seed: int = 0):
 @pytest.mark.parametrize("normalizer", [None, 97])
 def test_chunked_loss_and_gradients_equal_the_plain_ones(normalizer, monkeypatch):
     monkeypatch.setattr("sft.training.linear_cross_entropy.MIN_CHUNK_ROWS", 1)
-    monkeypatch.setattr("sft.training.linear_cross_entropy.CHUNK_ELEMENTS", 7 * 300)  # 7-row chunks over a 300-token vocabulary: ragged split
+    # 7-row chunks over a 300-token vocabulary: a ragged split
+    monkeypatch.setattr("sft.training.linear_cross_entropy.CHUNK_ELEMENTS", 7 * 300)
     model = make_llama(300)
     inputs = batch(300)
     trained = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())

@@ -675,9 +675,9 @@ def test_a_multimodal_gemma3_eval_plan_matches_the_traced_eval_step(method, batc
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_an_unaligned_head_s_padded_copy_is_planned(method, monkeypatch):
     """Qwen2.5-0.5B's head cut to its tokenizer's 151,665 rows (not 16-byte aligned in bf16) is read through a
-    padded copy in the chunked loss (sft.training.linear_cross_entropy.aligned_head). The plan must count it, in training and eval;
-    the control plans it without the copy and must miss the LoRA step (a frozen head, where the copy is the only
-    head memory) by more than 10%."""
+    padded copy in the chunked loss (sft.training.linear_cross_entropy.aligned_head). The plan must count it, in
+    training and eval; the control plans it without the copy and must miss the LoRA step (a frozen head, where the
+    copy is the only head memory) by more than 10%."""
     arch = small_arch("Qwen/Qwen2.5-0.5B", layers=2, vocab_size=151665)
     values = recipe("Qwen/Qwen2.5-0.5B", method, 1, 512, False)
     planned, traced = planned_and_traced(values, arch)
