@@ -55,6 +55,11 @@ EVAL_LOGIT_BYTES = 10
 # temporaries (8h); LoRA adds float32 copies of adapted inputs, QLoRA a float32 residual stream. Fitted to
 # MemTracker's peak of the eval step (memtrace.eval_step) across widths; tests/test_plan.py checks it.
 EVAL_LAYER_BYTES = {"full": (8.0, 6.0), "lora": (12.0, 8.0), "qlora": (18.0, 8.0)}
+# DoRA (use_dora) keeps per adapted linear, beside what LoRA keeps, its base output and scaled adapter output for the
+# magnitude's gradient: bytes a token and layer as multiples of (hidden, attention width, key/value width, MLP width)
+# over all-linear targets, bf16 compute (sft.planning.memtrace.saved_per_layer, DoRA minus LoRA on a layer whose
+# widths all differ); the 16-bit copy of each base weight its F.linear multiplies is Model.layer_dora_bytes.
+DORA_BYTES = (8.0, 4.0, 12.0, 8.0)
 DDP_BUCKETS = 2 * 25 * 2 ** 20  # DDP's gradient buckets (25 MB, two in flight)
 OPTIMIZER_STATE_BYTES = {"adamw_bnb_8bit": 2, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 0, "adafactor": 0}
 
@@ -116,6 +121,10 @@ class Model:
     """Bytes of the largest decoder layer's parameters that LoRA adapts whole (peft's ParamWrapper: the 3D expert
     stacks of a mixture of experts under all-linear): each forward materializes weight + delta at the weight's size,
     and autograd keeps it for backward, per layer."""
+    layer_dora_bytes: int = 0
+    """Bytes of the 16-bit copies of its base weights that a DoRA layer keeps for backward: peft's DoraLinearLayer
+    casts each adapted base weight to its float32 input's dtype, and the F.linear it multiplies (under autocast, in
+    bf16) saves that copy. In training only: no-grad eval keeps none."""
     extra_norm_width: int = 0
     """Widths a decoder layer normalizes per token beyond the two hidden-size norms LAYER_BYTES counts (each norm
     keeps 8 bytes a normalized element, as those two do): Gemma-2/3's post-attention/post-MLP norms, the q/k norms of
@@ -209,8 +218,12 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
     saved_h, saved_q, saved_i = compiled_savings(config, setup) or (0.0, 0.0, 0.0)
     ch, cq, ci = ch - saved_h, cq - saved_q, ci - saved_i
     layer = int(tokens * (ch * h + cq * q + ci * i) * scale)
+    if config.use_dora and setup.method != "full":
+        dh, dq, dkv, di = DORA_BYTES
+        layer += int(tokens * (dh * h + dq * q + dkv * kv_width(text) + di * i) * scale)
     if model:
-        layer += model.layer_merged_bytes + tokens * NORM_BYTES[mix] * model.extra_norm_width * scale
+        layer += (model.layer_merged_bytes + model.layer_dora_bytes
+                  + tokens * NORM_BYTES[mix] * model.extra_norm_width * scale)
     # eager keeps each head's T x T probabilities: float32 and bf16 copy
     if (model.attention if model else config.attn_implementation) == "eager":
         layer += tokens * setup.max_length * text.num_attention_heads * EAGER_SCORE_BYTES * scale
@@ -218,8 +231,18 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
     saved = text.num_hidden_layers * (tokens * residual * h if setup.checkpointing else layer)
     head = head_bytes(config, arch, setup, tokens, head_trainable)
     backward = layer + tokens * BACKWARD_I_BYTES * i * scale if setup.checkpointing and setup.method != "full" else 0
+    if config.use_dora and setup.method != "full":  # each layer's forward, the recomputed one's too
+        backward += dora_norm_bytes(h, i, grad=True)
     # the last layer's backward (recomputed under checkpointing) runs after the loss's buffers are freed
     return {"activations": saved + tokens * residual * h * 3, "lm head / loss": max(head, backward)}
+
+
+def dora_norm_bytes(h: int, i: int, grad: bool) -> int:
+    """The transient of a DoRA layer's weight norms in each forward: peft builds down_proj's float32 identity [i, i]
+    to make the adapter delta, then float32 [h, i] copies of the delta, the base weight and their sum; with grad (a
+    recomputed layer) autocast's bf16 cast of the identity and one more [h, i] are kept meanwhile (MemTracker:
+    tests/test_plan.py)."""
+    return 6 * i * i + 16 * h * i if grad else 4 * i * i + 12 * h * i
 
 
 def chunked_loss_applies(config: SFTConfig, arch: PretrainedConfig) -> bool:
@@ -316,8 +339,9 @@ def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, 
     scale = activation_scale(config)
     mix = activation_mix(config, setup)
     ch, ci = EVAL_LAYER_BYTES[mix]
+    dora = dora_norm_bytes(h, mlp_width(arch), grad=False) if config.use_dora and setup.method != "full" else 0
     decoder = (tokens * (ch * h + ci * mlp_width(arch)) * scale + tokens * setup.max_length  # + bool mask
-               + model.layer_merged_bytes)
+               + model.layer_merged_bytes + dora)
     # the last hidden state and its trained rows, the float32 token losses (chunked_token_losses' output and
     # chunked_forward's per-position tensor), and one chunk at its peak: float32 logits and their log-softmax, or the
     # bf16 product beside the head's bf16 cast (k-bit preparation made a QLoRA head float32; autocast casts it per

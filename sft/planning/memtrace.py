@@ -108,6 +108,16 @@ class FakeLinear4bit(nn.Linear):
         out = _MatMul4bit.apply(x, self.weight, (self.out_features, self.in_features), self.compute_dtype)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
+    # peft's DoRA reads a quantized base weight through dequantize_module_weight, which asks a module with `W_q`
+    # (HQQ's attribute) to dequantize() itself; the packed storage is no weight to broadcast with (QDoRA traced and
+    # planned with a traceback). So the stand-in answers as bitsandbytes' dequantization does: the compute-dtype weight.
+    @property
+    def W_q(self) -> torch.Tensor:  # noqa: N802 (peft's name)
+        return self.weight
+
+    def dequantize(self) -> torch.Tensor:
+        return _dequantize(self.weight, (self.out_features, self.in_features), self.compute_dtype)
+
 
 def quantize_layers(model: nn.Module, config: SFTConfig) -> None:
     """Replace the linear layers bitsandbytes would quantize (all but the output head) by FakeLinear4bit."""

@@ -172,6 +172,7 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
                  matmul_params=matmul_params(text), layer_bytes=max(_bytes(layer) for layer in layers),
                  layer_half_bytes=max(_bytes(layer, half=True) for layer in layers),
                  layer_merged_bytes=max(_merged_bytes(layer) for layer in layers),
+                 layer_dora_bytes=max(_dora_copy_bytes(layer) for layer in layers),
                  # fewer norms than Llama's two (Phi-2's one) are planned as two: an upper bound
                  extra_norm_width=max(0, max(_norm_width(layer, text) for layer in layers) - 2 * text.hidden_size),
                  attention=unwrapped(model).config._attn_implementation)
@@ -190,6 +191,14 @@ def _merged_bytes(layer: torch.nn.Module) -> int:
 
     wrapped = [getattr(m.get_base_layer(), m.parameter_name) for m in layer.modules() if isinstance(m, ParamWrapper)]
     return sum(p.numel() * p.element_size() for p in wrapped)
+
+
+def _dora_copy_bytes(layer: torch.nn.Module) -> int:
+    """Bytes of the 16-bit base-weight copies DoRA's layers in `layer` keep for backward (Model.layer_dora_bytes)."""
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    return 2 * sum(m.in_features * m.out_features for m in layer.modules()  # a 4-bit weight's numel is packed bytes
+                   if isinstance(m, LoraLayer) and not isinstance(m, ParamWrapper) and any(m.use_dora.values()))
 
 
 def _norm_width(layer: torch.nn.Module, arch: PretrainedConfig) -> int:
