@@ -9,6 +9,7 @@ counts them on the meta device). tests/test_plan.py checks every term against on
 
 from dataclasses import dataclass
 
+from torch import nn
 from transformers import PretrainedConfig
 
 from sft.config.arguments import SFTConfig
@@ -154,6 +155,13 @@ def kv_width(arch: PretrainedConfig) -> int:
     """Key (or value) width per token: configs without grouped-query attention (GPT-NeoX / Pythia) have no
     num_key_value_heads, one key/value head per query head."""
     return (getattr(arch, "num_key_value_heads", None) or arch.num_attention_heads) * head_dim(arch)
+
+
+def norm_width(layer: nn.Module, arch: PretrainedConfig) -> int:
+    """Elements per token the norms of a decoder layer normalize: q/k norms act on every query / key head."""
+    widths = {"q_norm": arch.num_attention_heads * head_dim(arch), "k_norm": kv_width(arch)}
+    return sum(widths.get(name.rsplit(".", 1)[-1], arch.hidden_size) for name, module in layer.named_modules()
+               if type(module).__name__.endswith("Norm"))  # RMSNorm, LayerNorm (GPT-NeoX), each family's own
 
 
 def mlp_width(arch: PretrainedConfig) -> int:

@@ -28,9 +28,9 @@ from sft.planning.memory import (
     compiled_savings,
     eval_bytes,
     head_dim,
-    kv_width,
     matmul_params,
     memory_breakdown,
+    norm_width,
     planned_budget,
     text_config,
     train_peak,
@@ -172,9 +172,9 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
                  matmul_params=matmul_params(text), layer_bytes=max(_bytes(layer) for layer in layers),
                  layer_half_bytes=max(_bytes(layer, half=True) for layer in layers),
                  layer_merged_bytes=max(_merged_bytes(layer) for layer in layers),
-                 layer_dora_bytes=max(_dora_copy_bytes(layer) for layer in layers),
+                 layer_dora_bytes=max(_merged_bytes(layer, dora=True) for layer in layers),
                  # fewer norms than Llama's two (Phi-2's one) are planned as two: an upper bound
-                 extra_norm_width=max(0, max(_norm_width(layer, text) for layer in layers) - 2 * text.hidden_size),
+                 extra_norm_width=max(0, max(norm_width(layer, text) for layer in layers) - 2 * text.hidden_size),
                  attention=unwrapped(model).config._attn_implementation)
 
 
@@ -185,27 +185,16 @@ def _bytes(module: torch.nn.Module, half: bool = False) -> int:
                for p in params)
 
 
-def _merged_bytes(layer: torch.nn.Module) -> int:
-    """Bytes of the parameters LoRA adapts whole in `layer` (peft ParamWrapper, Model.layer_merged_bytes)."""
-    from peft.tuners.lora.layer import ParamWrapper
-
-    wrapped = [getattr(m.get_base_layer(), m.parameter_name) for m in layer.modules() if isinstance(m, ParamWrapper)]
-    return sum(p.numel() * p.element_size() for p in wrapped)
-
-
-def _dora_copy_bytes(layer: torch.nn.Module) -> int:
-    """Bytes of the 16-bit base-weight copies DoRA's layers in `layer` keep for backward (Model.layer_dora_bytes)."""
+def _merged_bytes(layer: torch.nn.Module, dora: bool = False) -> int:
+    """Bytes of the parameters LoRA adapts whole in `layer` (peft ParamWrapper, Model.layer_merged_bytes), or with
+    `dora` of the 16-bit base-weight copies its DoRA layers keep for backward (Model.layer_dora_bytes)."""
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
-    return 2 * sum(m.in_features * m.out_features for m in layer.modules()  # a 4-bit weight's numel is packed bytes
-                   if isinstance(m, LoraLayer) and not isinstance(m, ParamWrapper) and any(m.use_dora.values()))
-
-
-def _norm_width(layer: torch.nn.Module, arch: PretrainedConfig) -> int:
-    """Elements per token the norms of a decoder layer normalize: q/k norms act on every query / key head."""
-    widths = {"q_norm": arch.num_attention_heads * head_dim(arch), "k_norm": kv_width(arch)}
-    return sum(widths.get(name.rsplit(".", 1)[-1], arch.hidden_size) for name, module in layer.named_modules()
-               if type(module).__name__.endswith("Norm"))  # RMSNorm, LayerNorm (GPT-NeoX), each family's own
+    if dora:  # in_features * out_features: a 4-bit weight's numel counts packed bytes
+        return 2 * sum(m.in_features * m.out_features for m in layer.modules()
+                       if isinstance(m, LoraLayer) and not isinstance(m, ParamWrapper) and any(m.use_dora.values()))
+    wrapped = [getattr(m.get_base_layer(), m.parameter_name) for m in layer.modules() if isinstance(m, ParamWrapper)]
+    return sum(p.numel() * p.element_size() for p in wrapped)
 
 
 def flops_per_token(arch: PretrainedConfig, model: Model, setup: Setup) -> tuple[float, float]:
