@@ -17,8 +17,10 @@ the weight to the compute dtype and saves nothing for backward but the packed we
 """
 
 import contextlib
+import gc
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -223,6 +225,24 @@ def loss_of(model: nn.Module, config: SFTConfig, ids: torch.Tensor) -> torch.Ten
                                     torch.tensor(float(ids.numel())), chunk_rows(weight.shape[0]))
 
 
+@contextlib.contextmanager
+def prompt_collection() -> Iterator[None]:
+    """Python's cyclic garbage collected at once, as reference counting frees a real step's tensors. Under fake
+    tensors peft's DoRA layers leave reference cycles (the real layers leave none on CPU), which held tensors until the
+    collector's next run: a 4-layer DoRA step traced 3.78 GiB, 5.02 with the collector off and 3.96 with it at once,
+    and the same test gave another peak after other tests ran. Only DoRA recipes' steps: it doubles a trace's time."""
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
+    gc.collect()
+    gc.set_threshold(1, 1, 1)
+    gc.enable()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        if not enabled:
+            gc.disable()
+
+
 def trace_step(config: SFTConfig, model_config: PretrainedConfig, fake: bool = True, evaluate: bool = False) -> Trace:
     """Peak memory of two optimizer steps of the recipe's training on one device (fake tensors unless `fake`), or
     with `evaluate` of one eval batch (no optimizer)."""
@@ -237,7 +257,7 @@ def trace_step(config: SFTConfig, model_config: PretrainedConfig, fake: bool = T
         for param in model.parameters():
             if not param.requires_grad:  # MemTracker hooks every parameter's gradient, which frozen ones refuse
                 tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
-        with tracker:
+        with tracker, prompt_collection() if config.use_dora else contextlib.nullcontext():
             if evaluate:
                 eval_step(model, config, model_config.get_text_config().vocab_size, "cpu")
             else:
