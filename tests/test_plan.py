@@ -50,6 +50,17 @@ def planned_and_traced(values: dict, arch, fake: bool = True) -> tuple[float, fl
     return memory.train_peak(parts, setup), trace_step(config, arch, fake=fake).peak
 
 
+def eval_planned_and_traced(values: dict, arch, method: str, batch: int, trace: bool = True) -> tuple[float, float]:
+    """(planner's eval term, the simulated eval batch beyond weights and buffers; 0 unless `trace`), bytes."""
+    config = load_recipe({**values, "eval_strategy": "steps", "per_device_eval_batch_size": batch,
+                          "eval_split_size": 0.1})
+    planned = memory.eval_bytes(config, arch, planner.setup_of(config, 1, 1), planner.model_facts(config, arch, method))
+    if not trace:
+        return planned, 0.0
+    traced = trace_step(config, arch, evaluate=True)
+    return planned, traced.peak - traced.by_kind["Parameter"] - traced.by_kind.get("Buffer", 0)
+
+
 def small_arch(model: str = "meta-llama/Llama-3.2-1B", layers: int = 2, **sizes):
     """A real family's config with fewer layers (and optionally smaller widths), for the fast tier."""
     arch = with_layers(known_config(model), layers)
@@ -682,16 +693,12 @@ def test_an_unaligned_head_s_padded_copy_is_planned(method, monkeypatch):
     values = recipe("Qwen/Qwen2.5-0.5B", method, 1, 512, False)
     planned, traced = planned_and_traced(values, arch)
     assert abs(planned / traced - 1) < 0.10, (planned / 2 ** 30, traced / 2 ** 30)
-    config = load_recipe({**values, "eval_strategy": "steps", "per_device_eval_batch_size": 8, "eval_split_size": 0.1})
-    setup = planner.setup_of(config, 1, 1)
-    eval_planned = memory.eval_bytes(config, arch, setup, planner.model_facts(config, arch, method))
-    trace = trace_step(config, arch, evaluate=True)
-    eval_traced = trace.peak - trace.by_kind["Parameter"] - trace.by_kind.get("Buffer", 0)
+    eval_planned, eval_traced = eval_planned_and_traced(values, arch, method, 8)
     assert abs(eval_planned / eval_traced - 1) < 0.10, (eval_planned / 2 ** 20, eval_traced / 2 ** 20)
     if method == "lora":
         monkeypatch.setattr(memory, "head_rows", lambda vocab: vocab)
         unpadded = planned_and_traced(values, arch)[0]
-        eval_unpadded = memory.eval_bytes(config, arch, setup, planner.model_facts(config, arch, method))
+        eval_unpadded = eval_planned_and_traced(values, arch, method, 8, trace=False)[0]
         assert unpadded / traced < 0.9 and eval_unpadded / eval_traced < 0.9, (unpadded / traced,
                                                                                  eval_unpadded / eval_traced)
 
@@ -713,9 +720,5 @@ def test_dora_is_planned_with_what_it_keeps_beyond_lora(model, method, micro, ch
     assert abs(planned / traced - 1) < (0.15 if method == "qlora" else 0.10), (planned / 2 ** 30, traced / 2 ** 30)
     as_lora, _ = planned_and_traced({**values, "use_dora": False}, arch)
     assert as_lora / traced < 0.9, as_lora / traced
-    config = load_recipe({**values, "eval_strategy": "steps", "per_device_eval_batch_size": 4, "eval_split_size": 0.1})
-    setup = planner.setup_of(config, 1, 1)
-    eval_planned = memory.eval_bytes(config, arch, setup, planner.model_facts(config, arch, method))
-    trace = trace_step(config, arch, evaluate=True)
-    eval_traced = trace.peak - trace.by_kind["Parameter"] - trace.by_kind.get("Buffer", 0)
+    eval_planned, eval_traced = eval_planned_and_traced(values, arch, method, 4)
     assert abs(eval_planned / eval_traced - 1) < 0.10, (eval_planned / 2 ** 20, eval_traced / 2 ** 20)
