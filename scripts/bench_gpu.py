@@ -47,11 +47,13 @@ MODIFIERS = {
     # Liger's activations per layer, scripts/bench_activations.py; the same matmuls); autotune (with compile):
     # inductor benchmarks its Triton GEMM templates against cuBLAS per shape (max-autotune, without CUDA graphs), for
     # the 0.5B shape's hidden-896 GEMMs, which cuBLAS ran far below the peak (BENCHMARKS.md); peftadd (LoRA): peft's
-    # own LoRA forward, its scaling and add as separate passes (sft.models.lora_layers adds inside lora_B's addmm).
+    # own LoRA forward, its scaling and add as separate passes (sft.models.lora_layers adds inside lora_B's addmm);
+    # fusedloss: loss_kernel fused, the chunked loss's softmax and gradient compiled into fused kernels.
     "sft": {"varlen": {"attn_implementation": "varlen"}, "flex": {"attn_implementation": "flex_attention"},
             "liger": {"loss_kernel": "liger"}, "compile": {"torch_compile": True},
             "budget": {"activation_memory_budget": 0.8},
-            "autotune": {"torch_compile_mode": "max-autotune-no-cudagraphs"}, "peftadd": {PEFT_ADD: True}},
+            "autotune": {"torch_compile_mode": "max-autotune-no-cudagraphs"}, "peftadd": {PEFT_ADD: True},
+            "fusedloss": {"loss_kernel": "fused"}},
     # trl on sdpa flattens each padding-free batch into one row, so sdpa gets one [T, T] block mask over the whole
     # batch (8 x 2048 tokens: 16,384^2, no block skipped); flex: transformers' BlockMask skips the blocks between
     # examples (TRL's best isolating attention where no flash-attn package is installed); compile: torch_compile.
@@ -448,6 +450,7 @@ def worker(spec: dict) -> dict:
             "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "liger": bool(getattr(trainer.args, "use_liger_kernel", False)) or
             getattr(trainer.args, "loss_kernel", None) == "liger",
+            "loss_kernel": getattr(trainer.token_loss, "kernel", None) if hasattr(trainer, "token_loss") else None,
             "attention": trainer.model.config._attn_implementation, "torch_compile": trainer.args.torch_compile,
             # graphs compiled during the timed steps (a new input shape or mask type): their compile time is in them
             "graphs_compiled_timed": record["graphs_at_timed_end"] - record["graphs_at_warmup"],

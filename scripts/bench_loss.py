@@ -24,9 +24,10 @@ tokens, the first (1 - fraction) of every row untrained (a masked prompt). --sma
   (sft.training.linear_cross_entropy.aligned_head; with --vocab 151665, Qwen2.5's tokenizer size: cuBLAS ran such a
   head's matmuls on sm75 align1 kernels, 61.5 of 122 ms of an H100 Qwen2.5-0.5B step's matmuls). The same as
   `chunked` otherwise.
-- chunked-fused: `chunked` with each chunk's logits-to-gradient step compiled (inductor, dynamic rows), so the
-  float32 logits' five eager passes (cast, max, exp, sum, divide, cast back) can become one or two; compile time in
-  the first warm-up, not the median.
+- chunked-fused: what `loss_kernel: fused` runs: `chunked` with each chunk's logits-to-gradient step
+  (sft.training.linear_cross_entropy.fused_logit_gradients) compiled by inductor with dynamic rows, so the float32
+  logits' eager passes (cast, max, exp, sum, divide, cast back: ~46 bytes a logit) become reads of the 16-bit logits
+  in fused loops (~8 bytes); compile time in the first warm-up, not the median.
 - chunked-compiled (only when named in --variants): `chunked` under torch.compile (compile time is reported apart,
   not in the median). Dynamo unrolls the chunk loop: compile time grows with the chunks (on 2 CPU cores 23 s for 8
   chunks, 47 s for 32), and the issue-19 shapes have 64 to 128 (128 rows each), so it is opt-in.
@@ -106,14 +107,15 @@ def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     return total / float(normalizer), h32.grad, w32.grad
 
 
-def chunked(case: Case, factor: int = 1, compiled: bool = False, rows: int | None = None) -> Callable:
+def chunked(case: Case, factor: int = 1, compiled: bool = False, rows: int | None = None,
+            fused: bool = False) -> Callable:
     """LinearCrossEntropy at the trained rows (`rows` per chunk, else sft's chunk times `factor`); `compiled`: the
     kernel under torch.compile, the row selection eager (a boolean index is a data-dependent shape, a graph break
-    there, and in SFTTrainer's compiled forward too)."""
+    there, and in SFTTrainer's compiled forward too); `fused`: its compiled chunk step (`loss_kernel: fused`)."""
     chunk = rows or lce.chunk_rows(case.weight.shape[0]) * factor
 
     def kernel(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return lce.LinearCrossEntropy.apply(rows, weight, targets, case.normalizer, chunk, 0.0)
+        return lce.LinearCrossEntropy.apply(rows, weight, targets, case.normalizer, chunk, 0.0, fused)
 
     kernel = torch.compile(kernel) if compiled else kernel
 
@@ -149,14 +151,6 @@ def chunked_unpadded(case: Case) -> Callable:
     return with_kernel_part(chunked(case), "aligned_head", lambda head: head)
 
 
-def chunked_fused(case: Case) -> Callable:
-    """`chunked` with each chunk's logits-to-gradient step (sft.training.linear_cross_entropy.logit_gradients: the
-    matmul, a float32 cast, max, exp, sum, divide, the target's -1, the cast back; five passes over the chunk's
-    float32 logits in eager) compiled by inductor with dynamic rows (one graph for every chunk size), the chunk loop
-    eager."""
-    return with_kernel_part(chunked(case), "logit_gradients", torch.compile(lce.logit_gradients, dynamic=True))
-
-
 def liger(case: Case, every_row: bool) -> Callable:
     function = sft_loss.liger_linear_cross_entropy(case.hidden.device)  # SFTError (recorded) off CUDA
 
@@ -189,7 +183,7 @@ def build(name: str, case: Case) -> Callable:
     if name == "chunked-unpadded":
         return chunked_unpadded(case)
     if name == "chunked-fused":
-        return chunked_fused(case)
+        return chunked(case, fused=True)
     if name == "chunked-compiled":
         return chunked(case, compiled=True)
     if name in ("liger", "liger-all"):

@@ -87,6 +87,12 @@ def test_peftadd_runs_peft_s_own_lora_forward_and_is_no_recipe_key():
     assert PEFT_ADD not in SFTConfig.__dataclass_fields__
 
 
+def test_fusedloss_is_the_fused_loss_kernel():
+    assert tool_settings("sft-varlen-compile-fusedloss") == (
+        "sft", {"attn_implementation": "varlen", "torch_compile": True, "loss_kernel": "fused"})
+    assert "fused" in SFTConfig.__dataclass_fields__["loss_kernel"].metadata["choices"]
+
+
 def test_trace_gaps_charges_each_gpu_wait_to_the_outermost_host_work_running():
     """A GPU timeline with two waits: one while the host reads a value (aten::item, its nested op inside), one in
     the optimizer's step; a 5 µs gap is under the threshold; gaps on one stream covered by another are not gaps."""

@@ -1,7 +1,10 @@
 """`loss_kernel: liger`: Liger's fused linear cross-entropy computes the training loss at the trained positions, with
 sft's normalisation and label smoothing, equal to sft's chunked loss; it is refused, saying what to do, where it
 cannot run. Liger needs Triton and CUDA, so these CPU tests put a reference of the same signature in its place
-(the real kernel is checked in tests/test_gpu.py)."""
+(the real kernel is checked in tests/test_gpu.py).
+
+`loss_kernel: fused`: sft's chunked loss with each chunk's softmax and gradient compiled by inductor (CPU inductor
+here, Triton on a GPU), equal to the eager chunk step."""
 
 import importlib.util
 import os
@@ -195,7 +198,76 @@ def test_sft_check_runs_a_liger_recipe_with_sft_s_own_loss_on_cpu(tmp_path):
 
 def test_recipe_checks_the_loss_kernel_value_and_combination():
     assert load_recipe({}).loss_kernel == "auto"
-    with pytest.raises(SFTError, match="`loss_kernel`.*not one of auto, chunked, liger"):
+    with pytest.raises(SFTError, match="`loss_kernel`.*not one of auto, chunked, fused, liger"):
         load_recipe({"loss_kernel": "fast"})
-    with pytest.raises(SFTError, match="chunked_loss is false"):
-        load_recipe({"loss_kernel": "liger", "chunked_loss": False})
+    for kernel in ("liger", "fused"):
+        with pytest.raises(SFTError, match=f"loss_kernel: {kernel} computes the chunked loss, but chunked_loss is "
+                                           "false"):
+            load_recipe({"loss_kernel": kernel, "chunked_loss": False})
+    assert load_recipe({"loss_kernel": "fused"}).loss_kernel == "fused"
+
+
+def compiled_frames() -> int:
+    return torch._dynamo.utils.counters["frames"]["ok"]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_the_fused_chunk_step_gives_the_eager_loss_and_gradients(autocast, smoothing, monkeypatch):
+    """The compiled chunk step against the eager one, on a head padded for alignment (1003 rows: its padded columns
+    must get no probability and no gradient) with 3 chunks, the last of 1 row, in float32 and under CPU bf16
+    autocast with float32 weights (the shipped full recipes' mix)."""
+    lce = sft.training.linear_cross_entropy
+    torch.manual_seed(0)
+    hidden = torch.randn(17, 32, requires_grad=True)
+    weight = (torch.randn(1003, 32) * 0.5).requires_grad_()
+    targets = torch.randint(0, 1003, (17,))
+    results = {}
+    for fused in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = lce.LinearCrossEntropy.apply(hidden, weight, targets, torch.tensor(11.0), 8, smoothing, fused)
+        loss.backward()
+        results[fused] = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
+        hidden.grad = weight.grad = None
+    (eager_loss, eager_hidden, eager_weight), (loss, grad_hidden, grad_weight) = results[False], results[True]
+    tolerance = 1e-2 if autocast else 1e-5  # bf16: the 16-bit gradients rounded in a different order
+    assert torch.allclose(loss, eager_loss, rtol=1e-6)
+    assert torch.allclose(grad_hidden, eager_hidden, rtol=tolerance, atol=1e-6)
+    assert torch.allclose(grad_weight, eager_weight, rtol=tolerance, atol=1e-6)
+    assert grad_weight.shape == weight.shape
+
+
+def test_the_fused_chunk_step_runs_compiled_and_keeps_padded_columns_out():
+    """The compiled function is what runs (inductor compiled a graph for it), and the padded columns neither take
+    probability nor get gradient: a version that lets them into the softmax gives another loss (the control)."""
+    lce = sft.training.linear_cross_entropy
+    torch.manual_seed(1)
+    hidden, targets = torch.randn(9, 16) * 0.1, torch.randint(0, 1003, (9,))  # small logits: padding would show
+    head = lce.aligned_head(torch.randn(1003, 16))
+    assert head.shape[0] == 1024
+    torch._dynamo.reset()
+    frames = compiled_frames()
+    grad, total = lce.fused_logit_gradients(hidden, head, targets, 1003, 0.0)
+    assert compiled_frames() == frames + 1
+    assert float(grad[:, 1003:].abs().sum()) == 0.0
+    assert torch.allclose(grad.sum(dim=-1), torch.zeros(9), atol=1e-5)  # softmax - onehot over the real columns
+    reference = F.cross_entropy(hidden @ head[:1003].T, targets, reduction="sum")
+    assert torch.allclose(total, reference, rtol=1e-6)
+    leaky = F.cross_entropy(hidden @ head.T, targets, reduction="sum")  # zero logits at 21 padded columns
+    assert not torch.allclose(leaky, reference, rtol=1e-4)
+
+
+def test_trainer_with_the_fused_kernel_trains_as_the_chunked_loss(tmp_path, tokenizer):
+    chunked, _ = train_losses(tmp_path, tokenizer, label_smoothing_factor=0.1, bf16=True, use_cpu=True)
+    fused, trainer = train_losses(tmp_path, tokenizer, label_smoothing_factor=0.1, bf16=True, use_cpu=True,
+                                  loss_kernel="fused")
+    assert trainer.token_loss.kernel == "fused"
+    assert fused == pytest.approx(chunked, abs=1e-3) and fused[0] != pytest.approx(fused[1], abs=1e-2)
+
+
+def test_fused_refuses_a_model_without_the_chunked_loss():
+    with pytest.raises(SFTError, match="loss_kernel: fused computes the chunked loss.*plain linear output head"):
+        TokenLoss(torch.nn.Linear(2, 2), True, 0.0, "fused")
+    with pytest.raises(SFTError, match="chunked_loss: true"):
+        TokenLoss(make_llama(64), False, 0.0, "fused")
+    assert TokenLoss(make_llama(64), True, 0.0, "fused").kernel == "fused"  # the control

@@ -104,10 +104,12 @@ class SFTConfig(Seq2SeqTrainingArguments):
                                "memory and compute), in training and eval. Used for plain-head causal LMs, also "
                                "under DDP, FSDP, DeepSpeed and torch_compile.", True)
     loss_kernel: str = _help("What computes the chunked training loss at the trained positions: chunked (sft's own "
-                             "linear-cross-entropy), liger (Liger's fused linear cross-entropy: needs liger-kernel "
-                             "and a CUDA GPU; same loss, normalisation and label smoothing) or auto, which is "
-                             "chunked until GPU measurements show where Liger is faster and exact. Eval always "
-                             "uses sft's own.", "auto", choices=LOSS_KERNELS)
+                             "linear-cross-entropy), fused (the same with each chunk's softmax and gradient compiled "
+                             "by inductor into fused kernels: fewer passes over the logits, a compile of a few "
+                             "seconds at the first step), liger (Liger's fused linear cross-entropy: needs "
+                             "liger-kernel and a CUDA GPU; same loss, normalisation and label smoothing) or auto, "
+                             "which is chunked until GPU measurements show where another is faster and exact. Eval "
+                             "always uses sft's own.", "auto", choices=LOSS_KERNELS)
     activation_memory_budget: float | None = _help(
         "torch_compile only: the share of activation memory the compiler keeps for the backward (torch's "
         "activation_memory_budget; unset: 1, torch's default). Below 1 it recomputes the cheapest ops in the backward "

@@ -5,8 +5,9 @@ The chunked causal-LM loss never materialises full-vocabulary logits for the who
 its decoder, then the head only at positions whose next token is trained, chunk by chunk, gradients computed in the
 forward (sft.training.linear_cross_entropy, the kernel).
 
-`loss_kernel: liger` hands the same trained rows to Liger's fused linear cross-entropy (Triton, CUDA only) instead
-of LinearCrossEntropy: summed, divided by the same normaliser, with the same label smoothing formula, fp32 weight-
+`loss_kernel: fused` runs LinearCrossEntropy with each chunk's softmax and gradient compiled by inductor into fused
+kernels (the same loss, within float32 rounding). `loss_kernel: liger` hands the same trained rows to Liger's fused
+linear cross-entropy (Triton, CUDA only) instead of LinearCrossEntropy: summed, divided by the same normaliser, with the same label smoothing formula, fp32 weight-
 gradient accumulation as here, no z-loss and no softcap. Eval always uses sft's own chunked token losses.
 """
 
@@ -48,10 +49,11 @@ class TrainedTokensOutput(ModelOutput):
     token_losses: torch.Tensor | None = None
 
 
-def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0, liger: Callable | None = None) -> bool:
+def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0, liger: Callable | None = None,
+                        fused: bool = False) -> bool:
     """Make the causal LM inside `model` (a PEFT model's base too) compute its loss with labels chunk-wise in its
     own forward; returns whether it applies. `liger` (liger_linear_cross_entropy's function) computes the training
-    loss instead of LinearCrossEntropy. Attaching again replaces the earlier settings.
+    loss instead of LinearCrossEntropy; `fused` runs LinearCrossEntropy's compiled chunk step. Attaching again replaces the earlier settings.
 
     The forward is replaced on the instance, so every wrapper that calls the model (DDP, FSDP2, DeepSpeed, PEFT,
     accelerate's autocast, torch.compile) runs it: parameters are gathered and gradients synchronised as for any
@@ -65,7 +67,8 @@ def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0, liger: C
 
     @functools.wraps(original)  # keeps the signature: the Trainer reads it to keep dataset columns
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return chunked_forward(lm, *args, original=original, smoothing=label_smoothing, liger=liger, **kwargs)
+        return chunked_forward(lm, *args, original=original, smoothing=label_smoothing, liger=liger,
+                               fused=fused, **kwargs)
 
     forward.chunked_loss = True
     lm.forward = forward
@@ -93,8 +96,8 @@ def trained_index(keep: torch.Tensor, host_count: tuple[int, ...] | None) -> tor
 
 
 def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: float, liger: Callable | None = None,
-                    labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
-                    full_logits: bool = False, trained_targets: tuple[int, ...] | None = None,
+                    fused: bool = False, labels: torch.Tensor | None = None,
+                    num_items_in_batch: torch.Tensor | int | None = None, full_logits: bool = False, trained_targets: tuple[int, ...] | None = None,
                     **kwargs: Any) -> Any:
     """The model's forward; with labels, the decoder plus the head at trained positions only (see module doc).
 
@@ -123,7 +126,7 @@ def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: 
         if liger is not None and picked_targets.numel():  # no trained row: sft's own gives the zero loss and gradients
             return TrainedTokensOutput(loss=liger_loss(liger, picked_hidden, weight, picked_targets, normalizer,
                                                        smoothing))
-        loss = eager_linear_cross_entropy(picked_hidden, weight, picked_targets, normalizer, chunk, smoothing)
+        loss = eager_linear_cross_entropy(picked_hidden, weight, picked_targets, normalizer, chunk, smoothing, fused)
         return TrainedTokensOutput(loss=loss)
     token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
     picked_losses = eager_token_losses(picked_hidden, weight, picked_targets, chunk)
@@ -210,18 +213,19 @@ def seq2seq_token_loss(model: nn.Module, inputs: dict, normalizer: torch.Tensor 
 class TokenLoss:
     """One trainer's loss choices, made once: the chunked forward where the model has a plain head (it then applies
     label smoothing itself: transformers' LabelSmoother would need the full logits), computed by sft's
-    LinearCrossEntropy or, with kernel "liger", Liger's fused linear cross-entropy; the step-normalised decoder
-    loss for encoder-decoder training, which applies label smoothing too. Kernel "auto" is sft's own."""
+    LinearCrossEntropy (kernel "fused": with its compiled chunk step) or, with kernel "liger", Liger's fused linear
+    cross-entropy; the step-normalised decoder loss for encoder-decoder training, which applies label smoothing too.
+    Kernel "auto" is sft's own, eager."""
 
     def __init__(self, model: nn.Module, chunked: bool, label_smoothing: float, kernel: str = "auto",
                  device: torch.device | str = "cpu") -> None:
         liger = liger_linear_cross_entropy(device) if kernel == "liger" else None
-        self.chunked = chunked and attach_chunked_loss(model, label_smoothing, liger)
-        if liger is not None and not self.chunked:
-            raise SFTError("loss_kernel: liger computes the chunked loss, which needs chunked_loss: true and a "
+        self.chunked = chunked and attach_chunked_loss(model, label_smoothing, liger, fused=kernel == "fused")
+        if kernel in ("liger", "fused") and not self.chunked:
+            raise SFTError(f"loss_kernel: {kernel} computes the chunked loss, which needs chunked_loss: true and a "
                            f"causal LM with a plain linear output head ({type(unwrapped(model)).__name__} here). "
                            "Set loss_kernel: auto.")
-        self.kernel = "liger" if liger is not None else "chunked" if self.chunked else "model"
+        self.kernel = kernel if kernel in ("liger", "fused") else "chunked" if self.chunked else "model"
         self.smoothing = label_smoothing
         self.encoder_decoder = bool(getattr(getattr(unwrapped(model), "config", None), "is_encoder_decoder", False))
 
