@@ -1,7 +1,7 @@
 """A detector of device->host synchronisations for CPU tests (tests/test_host_syncs.py).
 
 On a GPU some ops make the host wait until the device has finished all queued work: reading a value
-(item/bool/int/float, tolist, .cpu(), .numpy()) and ops whose output size depends on the data (nonzero,
+(item/bool/int/float, tolist, .cpu(), .numpy(), a blocking .to("cpu")) and ops whose output size depends on the data (nonzero,
 masked_select, boolean-mask indexing, unique, repeat_interleave without output_size, bincount, equal). One such
 op per micro-step stalls the pipeline: the CPU cannot queue the next kernels while it waits.
 
@@ -195,6 +195,12 @@ class _Functions(TorchFunctionMode):
         if name in HOST_READS and args and self.detector.is_marked(args[0]):
             self.detector.record(HOST_READS[name])
         elif name == "to" and args and self.detector.is_marked(args[0]) and _to_host(args[1:], kwargs):
+            if kwargs.get("non_blocking"):
+                # queued on the device's stream, the host not waiting; the copy is host memory (read once an event
+                # says it landed: sft.training.divergence.StepValues, checked on a GPU in tests/test_gpu.py)
+                out = func(*args, **kwargs)
+                self.detector.marked.pop(out, None)
+                return out
             self.detector.record("copy to host")
         elif (func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None
               and not isinstance(args[0], torch.Tensor)):

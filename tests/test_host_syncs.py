@@ -2,7 +2,9 @@
 
 tests/sync_probe.py marks the parameters and batches as device tensors and records every op on them that would
 sync on a GPU. A run of 2 optimizer steps x 4 accumulated micro-steps, logging_steps beyond the run, may sync:
-- once per optimizer step, in sft: DivergenceGuard reads the step's loss and gradient norm (host_values);
+- once per optimizer step, in sft, where the run is not on a CUDA GPU: DivergenceGuard reads the step's loss and
+  gradient norm (StepValues.read_now). On a GPU it reads them a step later from a copy made without waiting, and at
+  once only at a step that saves, evaluates or ends training (test_the_guard_on_a_gpu_waits_only_at_the_last_step);
 - once per run, in the Trainer: its loss accumulator is created from a Python number and read at the end;
 - in transformers' mask code (masking_utils, create_causal_mask), once or twice per forward: for a packed /
   padding-free batch it checks whether the position_ids hold more than one sequence
@@ -33,7 +35,7 @@ from conftest import make_llama
 OPTIMIZER_STEPS, ACCUMULATION = 2, 4
 PER_RUN = {("host-to-device copy", "transformers/trainer.py", "_inner_training_loop"): 1,  # _tr_loss = tensor(0.)
            ("item", "transformers/trainer.py", "_finalize_training"): 1}  # the train loss, once
-PER_OPTIMIZER_STEP = ("tolist", "sft/training/divergence.py", "host_values")
+PER_OPTIMIZER_STEP = ("tolist", "sft/training/divergence.py", "read_now")
 MASKS = "transformers/masking_utils.py"
 PACKED_MASK = ("item", MASKS, "find_packed_sequence_indices")
 PADDED_MASK = ("item", MASKS, "_ignore_causal_mask_sdpa")
@@ -51,7 +53,8 @@ def sft_data(n: int = 32, seed: int = 0) -> datasets.Dataset:
     return datasets.Dataset.from_list(rows)
 
 
-def probed_run(tmp_path, tokenizer, evaluate: bool = False, **config) -> tuple[SyncDetector, ProbedTrainer]:
+def probed_run(tmp_path, tokenizer, evaluate: bool = False, deferred: bool = False,
+               **config) -> tuple[SyncDetector, ProbedTrainer]:
     """Train OPTIMIZER_STEPS steps of ACCUMULATION micro-batches (and evaluate) under the sync detector."""
     data = sft_data()
     if config.get("packing"):
@@ -62,6 +65,7 @@ def probed_run(tmp_path, tokenizer, evaluate: bool = False, **config) -> tuple[S
     model = make_llama(len(tokenizer), seed=1)
     trainer = ProbedTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=data,
                             eval_dataset=data.select(range(8)) if evaluate else None)
+    trainer.divergence.deferred = deferred  # as on a CUDA GPU: the guard reads each step a step later
     trainer.detector = detector = SyncDetector()
     detector.mark(list(model.parameters()))
     with detector:
@@ -99,6 +103,20 @@ def test_no_sync_per_micro_step(tmp_path, tokenizer, name):
     else:
         assert set(masks) == {PADDED_MASK}
         assert trainer.micro_steps <= masks[PADDED_MASK] <= 2 * trainer.micro_steps
+
+
+def test_the_guard_on_a_gpu_waits_only_at_the_last_step(tmp_path, tokenizer):
+    """Deferred as on a CUDA GPU, the divergence guard's reads of steps 1..N-1 wait for nothing (a copy queued
+    without waiting, read a step later); the last step, which ends training, is read at once. Without deferral
+    (the control, as on CPU) it waits at every step."""
+    detector, trainer = probed_run(tmp_path, tokenizer, deferred=True, packing=True)
+    assert trainer.state.global_step == OPTIMIZER_STEPS > 1
+    sources = detector.sources()
+    guard = {source: count for source, count in sources.items() if source[1] == "sft/training/divergence.py"}
+    assert guard == {PER_OPTIMIZER_STEP: 1}, "\n".join(map(str, detector.syncs))
+    assert trainer.divergence.last_finite[0] == OPTIMIZER_STEPS and trainer.divergence.bad is None
+    detector, _ = probed_run(tmp_path, tokenizer, deferred=False, packing=True)
+    assert detector.sources()[PER_OPTIMIZER_STEP] == OPTIMIZER_STEPS
 
 
 @pytest.mark.parametrize("config", [{}, {"packing": True}, {"padding_free": True}], ids=["padded", "packed",
