@@ -5,7 +5,12 @@ With dataloader_num_workers 0 this runs in the training process between steps, w
 batch; compare the numbers with the step time (a 0.5B full fine-tune step of 8x2048 tokens on an H100 is roughly
 0.3-0.5 s).
 
-Usage: python scripts/bench_collate.py [--rows 8] [--max_length 2048] [--repeats 30]
+`--trainer` times instead what the host does between two optimizer steps of SFTTrainer on the same batches: from
+one step's end (on_step_end) to the next forward's start: the batch, the Trainer's bookkeeping, callbacks and
+progress bar. A model 16 wide with 24 layers and Qwen2.5's vocabulary keeps the CPU's compute out of that window
+(it lies outside it anyway). Where the host waits for the GPU at each step's end, the GPU is idle that long.
+
+Usage: python scripts/bench_collate.py [--rows 8] [--max_length 2048] [--repeats 30] [--trainer]
 Needs ../shared/fixtures or $SFT_FIXTURES (the 1k Alpaca sample and the Qwen2.5 tokenizer folder; both are in
 scripts/gpu_carry.py's .gpu/fixtures).
 """
@@ -13,6 +18,7 @@ scripts/gpu_carry.py's .gpu/fixtures).
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,6 +70,33 @@ def library_flattening(features: list[dict]) -> dict:
     return DataCollatorWithFlattening(return_flash_attn_kwargs=True)(examples)
 
 
+def trainer_gaps(ds: datasets.Dataset, rows: int, max_length: int, steps: int = 12) -> None:
+    """Print the milliseconds from each optimizer step's end to the next forward's start (after 2 warm-up steps)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+
+    from sft import SFTConfig, SFTTrainer
+
+    config = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=24,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_length)
+    model = Qwen2ForCausalLM(config)
+    ends, starts = [], []
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    model.register_forward_pre_hook(lambda module, inputs: starts.append(time.perf_counter()))
+    args = SFTConfig(output_dir=tempfile.mkdtemp(prefix="sft-gaps-"), per_device_train_batch_size=rows,
+                     max_steps=steps, logging_steps=10, save_strategy="no", report_to="none", use_cpu=True,
+                     packing=True, max_length=max_length)
+    trainer = SFTTrainer(model=model, args=args, processing_class=AutoTokenizer.from_pretrained(TOKENIZER),
+                         train_dataset=ds, callbacks=[StepEnds()])
+    trainer.train()
+    gaps = [(start - end) * 1e3 for end, start in zip(ends[2:], starts[3:])]
+    print(f"host time from a step's end to the next forward, {len(gaps)} steps of {rows} x {max_length} tokens: "
+          f"median {statistics.median(gaps):.1f} ms, min {min(gaps):.1f}, max {max(gaps):.1f}")
+
+
 def busy(seconds: float) -> None:
     """Keep this core busy (a training process launching kernels), unlike sleep, which lets the CPU clock down."""
     end = time.perf_counter() + seconds
@@ -95,8 +128,11 @@ def main() -> None:
     parser.add_argument("--max_length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--step_s", type=float, default=0.05, help="simulated GPU step between batches (DataLoader)")
+    parser.add_argument("--trainer", action="store_true", help="time the host's gap between SFTTrainer's steps")
     args = parser.parse_args()
     ds, pad_id = packed_rows(args.max_length)
+    if args.trainer:
+        return trainer_gaps(ds, args.rows, args.max_length)
     starts = range(0, len(ds) - args.rows + 1, args.rows)
     index_batches = [list(range(s, s + args.rows)) for s in starts]
     feature_batches = [ds.__getitems__(idx) for idx in index_batches]

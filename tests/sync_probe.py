@@ -1,9 +1,9 @@
 """A detector of device->host synchronisations for CPU tests (tests/test_host_syncs.py).
 
 On a GPU some ops make the host wait until the device has finished all queued work: reading a value
-(item/bool/int/float, tolist, .cpu(), .numpy(), a blocking .to("cpu")) and ops whose output size depends on the data (nonzero,
-masked_select, boolean-mask indexing, unique, repeat_interleave without output_size, bincount, equal). One such
-op per micro-step stalls the pipeline: the CPU cannot queue the next kernels while it waits.
+(item/bool/int/float, tolist, .cpu(), .numpy(), a blocking .to("cpu")) and ops whose output size depends on the data
+(nonzero, masked_select, boolean-mask indexing, unique, repeat_interleave without output_size, bincount, equal). One
+such op per micro-step stalls the pipeline: the CPU cannot queue the next kernels while it waits.
 
 On CPU every tensor is a host tensor, so the probe tracks which tensors would live on the device in a real job:
 the model's parameters and every batch the Trainer hands to a training step are marked, and every tensor an op

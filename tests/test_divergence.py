@@ -68,6 +68,7 @@ def deferred_run(tmp_path, tokenizer, deferred: bool, poison_step: int = 3):
     from test_trainer import toy_dataset
 
     from sft import SFTConfig, SFTTrainer
+
     from conftest import make_llama
 
     args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=8, learning_rate=1e-3,

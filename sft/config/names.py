@@ -5,4 +5,5 @@ DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")  # a weights dtype: aut
 NO_ASSISTANT_TURN = ("error", "drop")  # chat rows without an assistant message: stop, or skip and count
 HISTORY = ("split", "last", "error")  # templates that render earlier turns differently (chat.ChatRenderer)
 DISTRIBUTED_PRESETS = ("ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload")  # recipe key `distributed`
-LOSS_KERNELS = ("auto", "chunked", "fused", "liger")  # what computes the trained-positions loss (sft.training.loss.TokenLoss)
+# what computes the trained-positions loss (sft.training.loss.TokenLoss)
+LOSS_KERNELS = ("auto", "chunked", "fused", "liger")

@@ -7,8 +7,9 @@ forward (sft.training.linear_cross_entropy, the kernel).
 
 `loss_kernel: fused` runs LinearCrossEntropy with each chunk's softmax and gradient compiled by inductor into fused
 kernels (the same loss, within float32 rounding). `loss_kernel: liger` hands the same trained rows to Liger's fused
-linear cross-entropy (Triton, CUDA only) instead of LinearCrossEntropy: summed, divided by the same normaliser, with the same label smoothing formula, fp32 weight-
-gradient accumulation as here, no z-loss and no softcap. Eval always uses sft's own chunked token losses.
+linear cross-entropy (Triton, CUDA only) instead of LinearCrossEntropy: summed, divided by the same normaliser, with
+the same label smoothing formula, fp32 weight-gradient accumulation as here, no z-loss and no softcap. Eval always
+uses sft's own chunked token losses.
 """
 
 import functools
@@ -53,7 +54,8 @@ def attach_chunked_loss(model: nn.Module, label_smoothing: float = 0.0, liger: C
                         fused: bool = False) -> bool:
     """Make the causal LM inside `model` (a PEFT model's base too) compute its loss with labels chunk-wise in its
     own forward; returns whether it applies. `liger` (liger_linear_cross_entropy's function) computes the training
-    loss instead of LinearCrossEntropy; `fused` runs LinearCrossEntropy's compiled chunk step. Attaching again replaces the earlier settings.
+    loss instead of LinearCrossEntropy; `fused` runs LinearCrossEntropy's compiled chunk step. Attaching again
+    replaces the earlier settings.
 
     The forward is replaced on the instance, so every wrapper that calls the model (DDP, FSDP2, DeepSpeed, PEFT,
     accelerate's autocast, torch.compile) runs it: parameters are gathered and gradients synchronised as for any
@@ -97,7 +99,8 @@ def trained_index(keep: torch.Tensor, host_count: tuple[int, ...] | None) -> tor
 
 def chunked_forward(self: nn.Module, *args: Any, original: Callable, smoothing: float, liger: Callable | None = None,
                     fused: bool = False, labels: torch.Tensor | None = None,
-                    num_items_in_batch: torch.Tensor | int | None = None, full_logits: bool = False, trained_targets: tuple[int, ...] | None = None,
+                    num_items_in_batch: torch.Tensor | int | None = None, full_logits: bool = False,
+                    trained_targets: tuple[int, ...] | None = None,
                     **kwargs: Any) -> Any:
     """The model's forward; with labels, the decoder plus the head at trained positions only (see module doc).
 
