@@ -61,6 +61,10 @@ EVAL_LAYER_BYTES = {"full": (8.0, 6.0), "lora": (12.0, 8.0), "qlora": (18.0, 8.0
 # over all-linear targets, bf16 compute (sft.planning.memtrace.saved_per_layer, DoRA minus LoRA on a layer whose
 # widths all differ); the 16-bit copy of each base weight its F.linear multiplies is Model.layer_dora_bytes.
 DORA_BYTES = (8.0, 4.0, 12.0, 8.0)
+# A non-gated MLP (GPT-NeoX/Pythia, Phi-2, StarCoder2: fc1, activation, fc2) keeps its first projection's output and
+# the activation's (4i), not a gated one's gate, activation, up and product (8i): bytes a token per MLP width taken
+# off LAYER_BYTES (MemTracker, a 2-layer Pythia shape: 4i kept, full and LoRA; tests/test_plan.py).
+NON_GATED_I_SAVING = 4.0
 DDP_BUCKETS = 2 * 25 * 2 ** 20  # DDP's gradient buckets (25 MB, two in flight)
 OPTIMIZER_STATE_BYTES = {"adamw_bnb_8bit": 2, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 0, "adafactor": 0}
 
@@ -130,6 +134,16 @@ class Model:
     """Widths a decoder layer normalizes per token beyond the two hidden-size norms LAYER_BYTES counts (each norm
     keeps 8 bytes a normalized element, as those two do): Gemma-2/3's post-attention/post-MLP norms, the q/k norms of
     Qwen3, Gemma-3 and OLMo-2 (over every query / key head)."""
+    fused_qkv_width: int = 0
+    """The output width of a decoder layer's fused query/key/value projection (Phi-3's qkv_proj, GPT-NeoX's
+    query_key_value), 0 where q, k and v are projected apart. Attention keeps v as a view of that output, so the
+    whole of it stays for backward: 2 bytes a token and element beyond LAYER_BYTES in a full fine-tune (a 2-layer
+    Phi-3 shape was planned 10.8% under its simulated step without it, 4.2% with it). Not added under LoRA, whose
+    LAYER_BYTES row counts q, k and v adapted apart (three dropout masks and inputs where a fused projection has one):
+    that over-count already exceeds it (Phi-3 LoRA planned 9.1% above its simulated step)."""
+    gated_mlp: bool = True
+    """Whether the MLP is gated (SwiGLU's gate and up, apart or fused); a non-gated one keeps less
+    (NON_GATED_I_SAVING)."""
     attention: str = "sdpa"
     """The attention implementation the model runs with (the recipe's, else transformers' default for the family:
     eager for Gemma-2, which keeps T x T scores)."""
@@ -155,6 +169,25 @@ def kv_width(arch: PretrainedConfig) -> int:
     """Key (or value) width per token: configs without grouped-query attention (GPT-NeoX / Pythia) have no
     num_key_value_heads, one key/value head per query head."""
     return (getattr(arch, "num_key_value_heads", None) or arch.num_attention_heads) * head_dim(arch)
+
+
+def fused_qkv_width(layer: nn.Module, arch: PretrainedConfig) -> int:
+    """Model.fused_qkv_width of a decoder layer: the width q + 2 kv of a linear layer projecting the hidden size to
+    queries, keys and values at once, else 0."""
+    width = arch.num_attention_heads * head_dim(arch) + 2 * kv_width(arch)
+    shapes = {(m.in_features, m.out_features) for m in layer.modules() if isinstance(m, nn.Linear)}
+    return width if (arch.hidden_size, width) in shapes else 0
+
+
+def gated_mlp(layer: nn.Module, arch: PretrainedConfig) -> bool:
+    """Model.gated_mlp of a decoder layer: False only where exactly one linear layer projects the hidden size to the
+    MLP width (fc1) and none to twice it (a fused gate and up); mixtures of experts count as gated."""
+    width = getattr(arch, "intermediate_size", None)
+    if width is None or mlp_width(arch) != width:
+        return True
+    ups = [m.out_features for m in layer.modules()
+           if isinstance(m, nn.Linear) and m.in_features == arch.hidden_size and m.out_features in (width, 2 * width)]
+    return ups != [width]
 
 
 def norm_width(layer: nn.Module, arch: PretrainedConfig) -> int:
@@ -231,7 +264,9 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
         layer += int(tokens * (dh * h + dq * q + dkv * kv_width(text) + di * i) * scale)
     if model:
         layer += (model.layer_merged_bytes + model.layer_dora_bytes
-                  + tokens * NORM_BYTES[mix] * model.extra_norm_width * scale)
+                  + tokens * NORM_BYTES[mix] * model.extra_norm_width * scale
+                  + (tokens * 2 * model.fused_qkv_width * scale if mix == "full" else 0)
+                  - (0 if model.gated_mlp else int(tokens * NON_GATED_I_SAVING * i * scale)))
     # eager keeps each head's T x T probabilities: float32 and bf16 copy
     if (model.attention if model else config.attn_implementation) == "eager":
         layer += tokens * setup.max_length * text.num_attention_heads * EAGER_SCORE_BYTES * scale

@@ -27,6 +27,8 @@ from sft.planning.memory import (
     Setup,
     compiled_savings,
     eval_bytes,
+    fused_qkv_width,
+    gated_mlp,
     head_dim,
     matmul_params,
     memory_breakdown,
@@ -175,6 +177,8 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
                  layer_dora_bytes=max(_merged_bytes(layer, dora=True) for layer in layers),
                  # fewer norms than Llama's two (Phi-2's one) are planned as two: an upper bound
                  extra_norm_width=max(0, max(norm_width(layer, text) for layer in layers) - 2 * text.hidden_size),
+                 fused_qkv_width=max(fused_qkv_width(layer, text) for layer in layers),
+                 gated_mlp=any(gated_mlp(layer, text) for layer in layers),
                  attention=unwrapped(model).config._attn_implementation)
 
 
