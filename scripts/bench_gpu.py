@@ -162,7 +162,7 @@ def clock_callback(spec: dict, record: dict):
 
     The GPU is synchronised only where a time is read: the first step's end (time to first step), the warm-up's,
     the timed steps' and the profiled steps'. A sync at every step would idle the GPU while the host fetches and
-    collates the next batch (about 10 ms a step on 2 CPU cores at 8 x 2048 tokens), which a user's run, logging every
+    collates the next batch (about 8 ms a step on 2 CPU cores at 8 x 2048 tokens), which a user's run, logging every
     few steps, does not; the other ends are the host's (the GPU at most a step behind)."""
     from transformers import TrainerCallback
 

@@ -51,12 +51,12 @@ def test_the_guard_reads_fsdp2s_dtensor_gradient_norm(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
-    from sft.training.divergence import host_values
+    from sft.training.divergence import device_values
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
     try:
         norm = DTensor.from_local(torch.tensor(0.75), init_device_mesh("cpu", (1,)), [Replicate()])
-        assert host_values(torch.tensor(1.5), norm) == [1.5, 0.75]
+        assert device_values(torch.tensor(1.5), norm).tolist() == [1.5, 0.75]
     finally:
         dist.destroy_process_group()
 
