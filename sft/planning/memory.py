@@ -171,23 +171,16 @@ def kv_width(arch: PretrainedConfig) -> int:
     return (getattr(arch, "num_key_value_heads", None) or arch.num_attention_heads) * head_dim(arch)
 
 
-def fused_qkv_width(layer: nn.Module, arch: PretrainedConfig) -> int:
-    """Model.fused_qkv_width of a decoder layer: the width q + 2 kv of a linear layer projecting the hidden size to
-    queries, keys and values at once, else 0."""
+def layer_projections(layer: nn.Module, arch: PretrainedConfig) -> tuple[int, bool]:
+    """(Model.fused_qkv_width, Model.gated_mlp) of a decoder layer, from its linear layers' shapes: a projection of
+    the hidden size to q + 2 kv is a fused one; an MLP with exactly one projection of the hidden size to the MLP
+    width and none to twice it (a fused gate and up) is not gated (mixtures of experts count as gated)."""
+    h, i = arch.hidden_size, getattr(arch, "intermediate_size", None)
     width = arch.num_attention_heads * head_dim(arch) + 2 * kv_width(arch)
-    shapes = {(m.in_features, m.out_features) for m in layer.modules() if isinstance(m, nn.Linear)}
-    return width if (arch.hidden_size, width) in shapes else 0
-
-
-def gated_mlp(layer: nn.Module, arch: PretrainedConfig) -> bool:
-    """Model.gated_mlp of a decoder layer: False only where exactly one linear layer projects the hidden size to the
-    MLP width (fc1) and none to twice it (a fused gate and up); mixtures of experts count as gated."""
-    width = getattr(arch, "intermediate_size", None)
-    if width is None or mlp_width(arch) != width:
-        return True
-    ups = [m.out_features for m in layer.modules()
-           if isinstance(m, nn.Linear) and m.in_features == arch.hidden_size and m.out_features in (width, 2 * width)]
-    return ups != [width]
+    shapes = [(m.in_features, m.out_features) for m in layer.modules() if isinstance(m, nn.Linear)]
+    ups = [out for into, out in shapes if into == h and i is not None and out in (i, 2 * i)]
+    dense = i is not None and mlp_width(arch) == i
+    return (width if (h, width) in shapes else 0), not (dense and ups == [i])
 
 
 def norm_width(layer: nn.Module, arch: PretrainedConfig) -> int:

@@ -27,9 +27,8 @@ from sft.planning.memory import (
     Setup,
     compiled_savings,
     eval_bytes,
-    fused_qkv_width,
-    gated_mlp,
     head_dim,
+    layer_projections,
     matmul_params,
     memory_breakdown,
     norm_width,
@@ -169,6 +168,7 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
                        "`sft check` to validate the recipe.")
     half_bytes = weight_bytes - _bytes(model) + _bytes(model, half=True)
     text = text_config(arch)
+    projections = [layer_projections(layer, text) for layer in layers]
     return Model(weight_bytes=weight_bytes, half_bytes=half_bytes, trainable=sum(p.numel() for p in trainable),
                  trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
                  matmul_params=matmul_params(text), layer_bytes=max(_bytes(layer) for layer in layers),
@@ -177,8 +177,7 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
                  layer_dora_bytes=max(_merged_bytes(layer, dora=True) for layer in layers),
                  # fewer norms than Llama's two (Phi-2's one) are planned as two: an upper bound
                  extra_norm_width=max(0, max(norm_width(layer, text) for layer in layers) - 2 * text.hidden_size),
-                 fused_qkv_width=max(fused_qkv_width(layer, text) for layer in layers),
-                 gated_mlp=any(gated_mlp(layer, text) for layer in layers),
+                 fused_qkv_width=max(w for w, _ in projections), gated_mlp=any(g for _, g in projections),
                  attention=unwrapped(model).config._attn_implementation)
 
 
