@@ -275,3 +275,23 @@ def test_fused_refuses_a_model_without_the_chunked_loss():
     with pytest.raises(SFTError, match="chunked_loss: true"):
         TokenLoss(make_llama(64), False, 0.0, "fused")
     assert TokenLoss(make_llama(64), True, 0.0, "fused").kernel == "fused"  # the control
+
+
+def test_a_fused_step_that_cannot_compile_says_what_to_do(monkeypatch):
+    """Inductor's failure (here: no C/C++ compiler found) becomes an SFTError naming the fix, not a traceback at the
+    first step."""
+    from torch._inductor.exc import InductorError
+
+    lce = sft.training.linear_cross_entropy
+
+    def no_compiler(*args):
+        raise InductorError(RuntimeError("Failed to find C compiler. Please specify via CC environment variable"),
+                            None)
+
+    monkeypatch.setattr(lce, "compiled_logit_gradients", no_compiler)
+    hidden, weight = torch.randn(4, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    with pytest.raises(SFTError, match=r"loss_kernel: fused could not compile .*Failed to find C compiler.*Set "
+                                       r"loss_kernel: auto"):
+        lce.LinearCrossEntropy.apply(hidden, weight, torch.tensor([1, 2, 3, 4]), torch.tensor(4.0), 8, 0.0, True)
+    assert lce.LinearCrossEntropy.apply(hidden, weight, torch.tensor([1, 2, 3, 4]), torch.tensor(4.0), 8, 0.0,
+                                        False) > 0  # the eager step, the advice, runs

@@ -10,7 +10,10 @@ of logits and the head costs exactly its three matmuls, with no recomputation.
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.exc import BackendCompilerFailed
+from torch._inductor.exc import InductorError
 
+from sft.errors import SFTError
 from sft.models.loading import EMBEDDING_MULTIPLE
 
 MIN_CHUNK_ROWS = 128  # below this the head matmuls get inefficient
@@ -157,7 +160,20 @@ def fusable_logit_gradients(hidden: torch.Tensor, head: torch.Tensor, targets: t
 
 
 # One graph for every chunk: rows vary (the last chunk, each step's trained count), so they are compiled dynamic.
-fused_logit_gradients = torch.compile(fusable_logit_gradients, dynamic=True)
+compiled_logit_gradients = torch.compile(fusable_logit_gradients, dynamic=True)
+
+
+def fused_logit_gradients(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, vocab: int,
+                          smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled chunk step; SFTError saying what to do where it cannot compile (no C/C++ compiler, no Triton),
+    rather than inductor's traceback at the first step."""
+    try:
+        return compiled_logit_gradients(hidden, head, targets, vocab, smoothing)
+    except (BackendCompilerFailed, InductorError) as error:
+        cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        raise SFTError(f"loss_kernel: fused could not compile its chunk step with torch.compile ({cause}). It needs "
+                       "a working C/C++ compiler on CPU, Triton on a GPU. Set loss_kernel: auto to train with sft's "
+                       "eager chunk step (the same loss).") from None
 
 
 def add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
