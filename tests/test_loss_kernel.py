@@ -238,8 +238,8 @@ def test_the_fused_chunk_step_gives_the_eager_loss_and_gradients(autocast, smoot
 
 
 def test_the_fused_chunk_step_runs_compiled_and_keeps_padded_columns_out():
-    """The compiled function is what runs (inductor compiled a graph for it), and the padded columns neither take
-    probability nor get gradient: a version that lets them into the softmax gives another loss (the control)."""
+    """The compiled function is what runs (inductor compiled one graph for chunks of any size), and the padded
+    columns neither take probability nor get gradient: a version that lets them into the softmax gives another loss (the control)."""
     lce = sft.training.linear_cross_entropy
     torch.manual_seed(1)
     hidden, targets = torch.randn(9, 16) * 0.1, torch.randint(0, 1003, (9,))  # small logits: padding would show
@@ -247,6 +247,8 @@ def test_the_fused_chunk_step_runs_compiled_and_keeps_padded_columns_out():
     assert head.shape[0] == 1024
     torch._dynamo.reset()
     frames = compiled_frames()
+    for rows in (5, 7, 2):  # chunks of every size share one graph
+        lce.fused_logit_gradients(hidden[:rows], head, targets[:rows], 1003, 0.0)
     grad, total = lce.fused_logit_gradients(hidden, head, targets, 1003, 0.0)
     assert compiled_frames() == frames + 1
     assert float(grad[:, 1003:].abs().sum()) == 0.0

@@ -159,14 +159,17 @@ def fusable_logit_gradients(hidden: torch.Tensor, head: torch.Tensor, targets: t
     return grad.to(head.dtype), total
 
 
-# One graph for every chunk: rows vary (the last chunk, each step's trained count), so they are compiled dynamic.
-compiled_logit_gradients = torch.compile(fusable_logit_gradients, dynamic=True)
+compiled_logit_gradients = torch.compile(fusable_logit_gradients)
 
 
 def fused_logit_gradients(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, vocab: int,
                           smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled chunk step; SFTError saying what to do where it cannot compile (no C/C++ compiler, no Triton),
     rather than inductor's traceback at the first step."""
+    # One graph for every chunk: rows vary (the last chunk, each step's trained count), so they are compiled dynamic;
+    # the head's shape stays static, as each run has one.
+    torch._dynamo.maybe_mark_dynamic(hidden, 0)
+    torch._dynamo.maybe_mark_dynamic(targets, 0)
     try:
         return compiled_logit_gradients(hidden, head, targets, vocab, smoothing)
     except (BackendCompilerFailed, InductorError) as error:
