@@ -9,7 +9,6 @@ counts them on the meta device). tests/test_plan.py checks every term against on
 
 from dataclasses import dataclass
 
-from torch import nn
 from transformers import PretrainedConfig
 
 from sft.config.arguments import SFTConfig
@@ -63,7 +62,8 @@ EVAL_LAYER_BYTES = {"full": (8.0, 6.0), "lora": (12.0, 8.0), "qlora": (18.0, 8.0
 DORA_BYTES = (8.0, 4.0, 12.0, 8.0)
 # A non-gated MLP (GPT-NeoX/Pythia, Phi-2, StarCoder2: fc1, activation, fc2) keeps its first projection's output and
 # the activation's (4i), not a gated one's gate, activation, up and product (8i): bytes a token per MLP width taken
-# off LAYER_BYTES (MemTracker, a 2-layer Pythia shape: 4i kept, full and LoRA; tests/test_plan.py).
+# off LAYER_BYTES (MemTracker, a 2-layer Pythia shape: 4i kept, full and LoRA; tests/test_plan.py). An activation
+# written as several ops keeps more than its input (Model.activation_saved).
 NON_GATED_I_SAVING = 4.0
 DDP_BUCKETS = 2 * 25 * 2 ** 20  # DDP's gradient buckets (25 MB, two in flight)
 OPTIMIZER_STATE_BYTES = {"adamw_bnb_8bit": 2, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 0, "adafactor": 0}
@@ -135,15 +135,13 @@ class Model:
     keeps 8 bytes a normalized element, as those two do): Gemma-2/3's post-attention/post-MLP norms, the q/k norms of
     Qwen3, Gemma-3 and OLMo-2 (over every query / key head)."""
     fused_qkv_width: int = 0
-    """The output width of a decoder layer's fused query/key/value projection (Phi-3's qkv_proj, GPT-NeoX's
-    query_key_value), 0 where q, k and v are projected apart. Attention keeps v as a view of that output, so the
-    whole of it stays for backward: 2 bytes a token and element beyond LAYER_BYTES in a full fine-tune (a 2-layer
-    Phi-3 shape was planned 10.8% under its simulated step without it, 4.2% with it). Not added under LoRA, whose
-    LAYER_BYTES row counts q, k and v adapted apart (three dropout masks and inputs where a fused projection has one):
-    that over-count already exceeds it (Phi-3 LoRA planned 9.1% above its simulated step)."""
+    """The output width of a fused query/key/value projection (Phi-3, GPT-NeoX), else 0. Attention keeps v as a view
+    of it, so all of it stays: 2 bytes a token and element in a full fine-tune (Phi-3 was planned 10.8% low). Not
+    under LoRA, whose LAYER_BYTES row over-counts such a layer more (q, k, v adapted apart: Phi-3 LoRA +9.1%)."""
     gated_mlp: bool = True
-    """Whether the MLP is gated (SwiGLU's gate and up, apart or fused); a non-gated one keeps less
-    (NON_GATED_I_SAVING)."""
+    """Whether the MLP is gated (SwiGLU's gate and up, apart or fused); a non-gated one keeps less."""
+    activation_saved: float = 2.0
+    """Bytes an element the MLP's activation keeps for backward (sft.planning.layers.activation_saved_bytes)."""
     attention: str = "sdpa"
     """The attention implementation the model runs with (the recipe's, else transformers' default for the family:
     eager for Gemma-2, which keeps T x T scores)."""
@@ -170,24 +168,6 @@ def kv_width(arch: PretrainedConfig) -> int:
     num_key_value_heads, one key/value head per query head."""
     return (getattr(arch, "num_key_value_heads", None) or arch.num_attention_heads) * head_dim(arch)
 
-
-def layer_projections(layer: nn.Module, arch: PretrainedConfig) -> tuple[int, bool]:
-    """(Model.fused_qkv_width, Model.gated_mlp) of a decoder layer, from its linear layers' shapes: a projection of
-    the hidden size to q + 2 kv is a fused one; an MLP with exactly one projection of the hidden size to the MLP
-    width and none to twice it (a fused gate and up) is not gated (mixtures of experts count as gated)."""
-    h, i = arch.hidden_size, getattr(arch, "intermediate_size", None)
-    width = arch.num_attention_heads * head_dim(arch) + 2 * kv_width(arch)
-    shapes = [(m.in_features, m.out_features) for m in layer.modules() if isinstance(m, nn.Linear)]
-    ups = [out for into, out in shapes if into == h and i is not None and out in (i, 2 * i)]
-    dense = i is not None and mlp_width(arch) == i
-    return (width if (h, width) in shapes else 0), not (dense and ups == [i])
-
-
-def norm_width(layer: nn.Module, arch: PretrainedConfig) -> int:
-    """Elements per token the norms of a decoder layer normalize: q/k norms act on every query / key head."""
-    widths = {"q_norm": arch.num_attention_heads * head_dim(arch), "k_norm": kv_width(arch)}
-    return sum(widths.get(name.rsplit(".", 1)[-1], arch.hidden_size) for name, module in layer.named_modules()
-               if type(module).__name__.endswith("Norm"))  # RMSNorm, LayerNorm (GPT-NeoX), each family's own
 
 
 def mlp_width(arch: PretrainedConfig) -> int:
@@ -256,10 +236,11 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
         dh, dq, dkv, di = DORA_BYTES
         layer += int(tokens * (dh * h + dq * q + dkv * kv_width(text) + di * i) * scale)
     if model:
+        mlp = model.activation_saved - 2 - (0 if model.gated_mlp else NON_GATED_I_SAVING)  # beyond a SwiGLU's
         layer += (model.layer_merged_bytes + model.layer_dora_bytes
                   + tokens * NORM_BYTES[mix] * model.extra_norm_width * scale
                   + (tokens * 2 * model.fused_qkv_width * scale if mix == "full" else 0)
-                  - (0 if model.gated_mlp else int(tokens * NON_GATED_I_SAVING * i * scale)))
+                  + int(tokens * mlp * i * scale))
     # eager keeps each head's T x T probabilities: float32 and bf16 copy
     if (model.attention if model else config.attn_implementation) == "eager":
         layer += tokens * setup.max_length * text.num_attention_heads * EAGER_SCORE_BYTES * scale

@@ -20,6 +20,7 @@ from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.adapters import unwrapped
 from sft.planning.hardware import GPU
+from sft.planning.layers import activation_saved_bytes, hidden_act, layer_projections, norm_width
 from sft.planning.memory import (
     GIB,
     STATIC_PARTS,
@@ -28,10 +29,8 @@ from sft.planning.memory import (
     compiled_savings,
     eval_bytes,
     head_dim,
-    layer_projections,
     matmul_params,
     memory_breakdown,
-    norm_width,
     planned_budget,
     text_config,
     train_peak,
@@ -178,6 +177,7 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
                  # fewer norms than Llama's two (Phi-2's one) are planned as two: an upper bound
                  extra_norm_width=max(0, max(norm_width(layer, text) for layer in layers) - 2 * text.hidden_size),
                  fused_qkv_width=max(w for w, _ in projections), gated_mlp=any(g for _, g in projections),
+                 activation_saved=activation_saved_bytes(hidden_act(text)),
                  attention=unwrapped(model).config._attn_implementation)
 
 
