@@ -112,3 +112,22 @@ def test_trace_gaps_charges_each_gpu_wait_to_the_outermost_host_work_running():
     assert result["by_host"] == [("Optimizer.step#AdamW.step", 130, 1), ("aten::item", 30, 1)]
     assert [(start, end) for start, end, _ in result["longest"]] == [(70, 200), (20, 50)]
     assert analyse([event("cpu_op", "aten::mm", 0, 5)], 20) == {"gpu_events": 0}
+
+
+def test_the_clock_synchronises_the_gpu_only_where_it_reads_a_time(tmp_path, monkeypatch):
+    """A wait at every step end idled the GPU while the host collated the next batch, in every tool's timed steps.
+    The clock waits at the first step (time to first step), the warm-up's end and the timed steps' end (tokens/s),
+    and the profiled steps' end; the other steps are timed on the host."""
+    import torch
+    from bench_gpu import PROFILED, WARMUP, clock_callback
+
+    synchronised = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: synchronised.append(len(record["ends"]) + 1))
+    record = {"ends": []}
+    steps = 8
+    spec = {"device": "cuda", "steps": steps, "progress": str(tmp_path / "progress"), "t0": 0.0}
+    clock = clock_callback(spec, record)
+    for _ in range(WARMUP + steps + PROFILED):
+        clock.on_step_end(None, None, None)
+    assert synchronised == [1, WARMUP, WARMUP + steps, WARMUP + steps + PROFILED]
+    assert len(record["ends"]) == WARMUP + steps + PROFILED
