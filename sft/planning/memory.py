@@ -169,7 +169,6 @@ def kv_width(arch: PretrainedConfig) -> int:
     return (getattr(arch, "num_key_value_heads", None) or arch.num_attention_heads) * head_dim(arch)
 
 
-
 def mlp_width(arch: PretrainedConfig) -> int:
     """The MLP width each token runs through: a dense model's intermediate_size; a mixture of experts routes each
     token through num_experts_per_tok experts (each of moe_intermediate_size, else intermediate_size: Mixtral,
