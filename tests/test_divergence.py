@@ -90,7 +90,7 @@ def test_read_a_step_later_the_guard_names_the_diverged_step_and_saves_nothing_a
     checkpoint is the last good one. Not deferred (the control), training stops at the diverged step itself."""
     trainer = deferred_run(tmp_path / "deferred", tokenizer, True, poison_step)
     assert trainer.divergence.bad[0] == poison_step and trainer.divergence.last_finite[0] == poison_step - 1
-    assert trainer.state.global_step == poison_step + 1 if poison_step == 3 else poison_step
+    assert trainer.state.global_step == (poison_step + 1 if poison_step == 3 else poison_step)
     assert sorted(p.name for p in (tmp_path / "deferred").glob("checkpoint-*")) == ["checkpoint-2"]
     weights = load_file(tmp_path / "deferred" / "checkpoint-2" / "model.safetensors")
     assert all(t.isfinite().all() for t in weights.values())
