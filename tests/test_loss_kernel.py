@@ -213,7 +213,7 @@ def compiled_frames() -> int:
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_the_fused_chunk_step_gives_the_eager_loss_and_gradients(autocast, smoothing, monkeypatch):
+def test_the_fused_chunk_step_gives_the_eager_loss_and_gradients(autocast, smoothing):
     """The compiled chunk step against the eager one, on a head padded for alignment (1003 rows: its padded columns
     must get no probability and no gradient) with 3 chunks, the last of 1 row, in float32 and under CPU bf16
     autocast with float32 weights (the shipped full recipes' mix)."""
@@ -239,7 +239,8 @@ def test_the_fused_chunk_step_gives_the_eager_loss_and_gradients(autocast, smoot
 
 def test_the_fused_chunk_step_runs_compiled_and_keeps_padded_columns_out():
     """The compiled function is what runs (inductor compiled one graph for chunks of any size), and the padded
-    columns neither take probability nor get gradient: a version that lets them into the softmax gives another loss (the control)."""
+    columns neither take probability nor get gradient: a version that lets them into the softmax gives another loss
+    (the control)."""
     lce = sft.training.linear_cross_entropy
     torch.manual_seed(1)
     hidden, targets = torch.randn(9, 16) * 0.1, torch.randint(0, 1003, (9,))  # small logits: padding would show
