@@ -55,7 +55,7 @@ def check_values(config: SFTConfig) -> None:
     check_cpu_fp16(config)
     if config.loss_kernel in ("liger", "fused") and not config.chunked_loss:
         raise SFTError(f"loss_kernel: {config.loss_kernel} computes the chunked loss, but chunked_loss is false. Set "
-                       f"chunked_loss: true to use that kernel, or loss_kernel: auto for the plain full-logits loss.")
+                       "chunked_loss: true to use that kernel, or loss_kernel: auto for the plain full-logits loss.")
     check_memory_budget(config.activation_memory_budget, config.torch_compile)
     check_compile_settings(config.torch_compile_backend, config.torch_compile_mode)
     check_eval_split(config.eval_split_size)
