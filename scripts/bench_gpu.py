@@ -457,7 +457,7 @@ def worker(spec: dict) -> dict:
             "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "liger": bool(getattr(trainer.args, "use_liger_kernel", False)) or
             getattr(trainer.args, "loss_kernel", None) == "liger",
-            "loss_kernel": getattr(trainer.token_loss, "kernel", None) if hasattr(trainer, "token_loss") else None,
+            "loss_kernel": getattr(getattr(trainer, "token_loss", None), "kernel", None),  # sft's only
             "attention": trainer.model.config._attn_implementation, "torch_compile": trainer.args.torch_compile,
             # graphs compiled during the timed steps (a new input shape or mask type): their compile time is in them
             "graphs_compiled_timed": record["graphs_at_timed_end"] - record["graphs_at_warmup"],

@@ -7,3 +7,4 @@ HISTORY = ("split", "last", "error")  # templates that render earlier turns diff
 DISTRIBUTED_PRESETS = ("ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload")  # recipe key `distributed`
 # what computes the trained-positions loss (sft.training.loss.TokenLoss)
 LOSS_KERNELS = ("auto", "chunked", "fused", "liger")
+CHUNKED_LOSS_KERNELS = ("fused", "liger")  # kernels that compute the chunked loss: they need chunked_loss: true

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from sft.config.arguments import SFTConfig
+from sft.config.names import CHUNKED_LOSS_KERNELS
 from sft.errors import SFTError
 
 # key: the smallest value that makes sense (None values mean "unset" and are not checked).
@@ -53,7 +54,7 @@ def check_values(config: SFTConfig) -> None:
                            "including) 1.")
     check_peft_keys(config)
     check_cpu_fp16(config)
-    if config.loss_kernel in ("liger", "fused") and not config.chunked_loss:
+    if config.loss_kernel in CHUNKED_LOSS_KERNELS and not config.chunked_loss:
         raise SFTError(f"loss_kernel: {config.loss_kernel} computes the chunked loss, but chunked_loss is false. Set "
                        "chunked_loss: true to use that kernel, or loss_kernel: auto for the plain full-logits loss.")
     check_memory_budget(config.activation_memory_budget, config.torch_compile)

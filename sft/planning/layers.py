@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from sft.planning.memory import head_dim, kv_width, mlp_width
+from sft.planning.memory import NATIVE_ACTIVATION_BYTES, head_dim, kv_width, mlp_width
 
 
 def norm_width(layer: nn.Module, arch: PretrainedConfig) -> int:
@@ -37,7 +37,7 @@ def activation_saved_bytes(name: str | None) -> float:
     a small tensor: 2 for a native one (its input: SiLU, GELU), more for one written as several ops (gelu_new, Phi-2's:
     8 bytes, a 2-layer Phi-2 full fine-tune planned 16% low without it); 2 for a name transformers does not know."""
     if name not in ACT2FN:
-        return 2.0
+        return NATIVE_ACTIVATION_BYTES
     saved = {}
     x = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.setdefault(t.untyped_storage().data_ptr(), t),

@@ -65,6 +65,7 @@ DORA_BYTES = (8.0, 4.0, 12.0, 8.0)
 # off LAYER_BYTES (MemTracker, a 2-layer Pythia shape: 4i kept, full and LoRA; tests/test_plan.py). An activation
 # written as several ops keeps more than its input (Model.activation_saved).
 NON_GATED_I_SAVING = 4.0
+NATIVE_ACTIVATION_BYTES = 2.0  # what a one-op activation (SwiGLU's SiLU, GELU) keeps an element: its bf16 input
 DDP_BUCKETS = 2 * 25 * 2 ** 20  # DDP's gradient buckets (25 MB, two in flight)
 OPTIMIZER_STATE_BYTES = {"adamw_bnb_8bit": 2, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 0, "adafactor": 0}
 
@@ -140,7 +141,7 @@ class Model:
     under LoRA, whose LAYER_BYTES row over-counts such a layer more (q, k, v adapted apart: Phi-3 LoRA +9.1%)."""
     gated_mlp: bool = True
     """Whether the MLP is gated (SwiGLU's gate and up, apart or fused); a non-gated one keeps less."""
-    activation_saved: float = 2.0
+    activation_saved: float = NATIVE_ACTIVATION_BYTES
     """Bytes an element the MLP's activation keeps for backward (sft.planning.layers.activation_saved_bytes)."""
     attention: str = "sdpa"
     """The attention implementation the model runs with (the recipe's, else transformers' default for the family:
@@ -235,7 +236,8 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
         dh, dq, dkv, di = DORA_BYTES
         layer += int(tokens * (dh * h + dq * q + dkv * kv_width(text) + di * i) * scale)
     if model:
-        mlp = model.activation_saved - 2 - (0 if model.gated_mlp else NON_GATED_I_SAVING)  # beyond a SwiGLU's
+        mlp = (model.activation_saved - NATIVE_ACTIVATION_BYTES  # beyond a SwiGLU's
+               - (0 if model.gated_mlp else NON_GATED_I_SAVING))
         layer += (model.layer_merged_bytes + model.layer_dora_bytes
                   + tokens * NORM_BYTES[mix] * model.extra_norm_width * scale
                   + (tokens * 2 * model.fused_qkv_width * scale if mix == "full" else 0)

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.utils import ModelOutput
 
+from sft.config.names import CHUNKED_LOSS_KERNELS
 from sft.data.boundaries import starts
 from sft.data.encode import IGNORE_INDEX
 from sft.errors import SFTError
@@ -224,11 +225,11 @@ class TokenLoss:
                  device: torch.device | str = "cpu") -> None:
         liger = liger_linear_cross_entropy(device) if kernel == "liger" else None
         self.chunked = chunked and attach_chunked_loss(model, label_smoothing, liger, fused=kernel == "fused")
-        if kernel in ("liger", "fused") and not self.chunked:
+        if kernel in CHUNKED_LOSS_KERNELS and not self.chunked:
             raise SFTError(f"loss_kernel: {kernel} computes the chunked loss, which needs chunked_loss: true and a "
                            f"causal LM with a plain linear output head ({type(unwrapped(model)).__name__} here). "
                            "Set loss_kernel: auto.")
-        self.kernel = kernel if kernel in ("liger", "fused") else "chunked" if self.chunked else "model"
+        self.kernel = kernel if kernel in CHUNKED_LOSS_KERNELS else "chunked" if self.chunked else "model"
         self.smoothing = label_smoothing
         self.encoder_decoder = bool(getattr(getattr(unwrapped(model), "config", None), "is_encoder_decoder", False))
 
