@@ -142,6 +142,17 @@ def test_varlen_recipe_trains_like_sdpa_on_gpu(tmp_path):
     assert varlen <= 2 * eager + 1e-4
 
 
+def test_an_unset_attention_is_varlen_for_packed_bf16_batches_on_gpu():
+    """The kernel probe runs on this GPU, so packed bf16 Llama batches get varlen; float32 ones keep sdpa."""
+    from transformers import AutoConfig
+
+    if attention.TORCH_VARLEN is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    assert attention.kernel_runs()
+    assert attention.fastest_attention(AutoConfig.for_model("llama"), True, True, 2048)[0] == attention.VARLEN
+    assert attention.fastest_attention(AutoConfig.for_model("llama"), True, False, 2048)[0] is None
+
+
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
 def test_qlora_trains_the_adapter_only_on_gpu(tmp_path):
     from safetensors.torch import load_file

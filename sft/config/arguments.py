@@ -39,7 +39,8 @@ class SFTConfig(Seq2SeqTrainingArguments):
     attn_implementation: str | None = _help(
         "Attention backend: eager, sdpa, flash_attention_2, flex_attention, or varlen (sft's: torch's variable-length "
         "flash kernel, CUDA and bf16/fp16 only, no flash-attn package; packed and padding_free batches become one "
-        "flattened row with cu_seq_lens, and no [L, L] mask is built).")
+        "flattened row with cu_seq_lens, and no [L, L] mask is built). Unset: varlen for packed or padding-free "
+        "16-bit batches on a CUDA GPU where it computes the model's attention exactly, else transformers' default.")
     trust_remote_code: bool = _help("Run Python code shipped with a Hub model. Off unless you trust the repo.", False)
     revision: str | None = _help("Hub revision (branch, tag or commit) of the model and tokenizer.")
     cache_dir: str | None = _help("Where downloaded models and tokenizers are cached (default: the HF cache).")

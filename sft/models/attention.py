@@ -16,12 +16,13 @@ import difflib
 import functools
 import inspect
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -31,6 +32,8 @@ from sft.errors import SFTError
 from sft.models.families import VARLEN
 
 HALF = (torch.bfloat16, torch.float16)
+# The config keys transformers' families name their attention dropout by (Llama's, GPT-2's and GPT-J's, ...).
+DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attn_dropout")
 
 
 def _torch_kernel() -> Callable | None:
@@ -100,6 +103,62 @@ def flex_backward_on_cpu() -> bool:
     except NotImplementedError:
         return False
     return True
+
+
+def varlen_problem(model_config: PretrainedConfig, max_length: int | None) -> str | None:
+    """What of this model's attention `varlen` cannot compute (a clause: "it ..."), or None; read from its config and
+    its transformers class before any weights load, for examples up to `max_length` tokens (None: any length)."""
+    text = model_config.get_text_config()
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
+    if model_class is None or not hasattr(sys.modules[model_class.__module__], "ALL_ATTENTION_FUNCTIONS"):
+        return ("builds its own attention classes instead of calling transformers' AttentionInterface (Falcon, "
+                "remote code)")
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return "soft-caps its attention logits (Gemma-2)"
+    dropout = max(float(getattr(text, key, None) or 0.0) for key in DROPOUT_KEYS)
+    if dropout:
+        return f"drops attention weights out in training ({dropout}), which the flash kernel cannot"
+    longest = max_length or math.inf
+    chunk = getattr(text, "attention_chunk_size", None)
+    if chunk and longest > chunk:
+        return f"attends within chunks of {chunk} tokens (Llama-4), which the kernel cannot"
+    window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) is not False else None
+    if window and longest > window and not kernel_style(varlen_attn)[0]:
+        return (f"attends within a sliding window of {window} tokens, and this torch's varlen_attn "
+                f"({torch.__version__}) has no window_size")
+    return None
+
+
+@functools.cache
+def kernel_runs() -> bool:
+    """Whether torch's varlen kernel runs on this process's GPU (asked with a 4-token call, once: flash kernels
+    need an Ampere or newer GPU and bf16 support)."""
+    try:
+        states = torch.zeros(4, 1, 64, dtype=torch.bfloat16, device="cuda")
+        call_kernel(states, states, states, torch.tensor([0, 4], dtype=torch.int32, device="cuda"), 4, 0.125, None)
+    except (RuntimeError, SFTError):
+        return False
+    return True
+
+
+def fastest_attention(model_config: PretrainedConfig, cuda: bool, half: bool,
+                      max_length: int | None) -> tuple[str | None, str]:
+    """The attention an unset attn_implementation runs for packed or padding-free batches, and why: `varlen` on a
+    CUDA GPU with 16-bit activations (half) where this torch has the kernel, it runs on the GPU and it computes this
+    model's attention; else None, transformers' default (sdpa), which isolates packed rows with an [L, L] mask per
+    row and computes every block of it."""
+    if not cuda:
+        return None, "no CUDA GPU"
+    if not half:
+        return None, "float32 activations (the flash kernel takes bf16 or fp16)"
+    if TORCH_VARLEN is None:
+        return None, f"torch {torch.__version__} has no varlen_attn"
+    problem = varlen_problem(model_config, max_length)
+    if problem:
+        return None, f"the model {problem}"
+    if not kernel_runs():
+        return None, "torch's varlen kernel does not run on this GPU"
+    return VARLEN, "packed 16-bit batches on a CUDA GPU: torch's flash kernel within each example, no [L, L] mask"
 
 
 def register() -> None:

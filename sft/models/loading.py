@@ -1,6 +1,7 @@
 """Loading the model a recipe names: dtype, attention backend, safe defaults, new tokens; what names a model;
 the stop ids its generation config lists."""
 
+import copy
 import logging
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from sft.models.adapters import (
     load_trained_adapter,
 )
 from sft.models.architectures import model_architecture
-from sft.models.attention import VARLEN, attention_problem
+from sft.models.attention import VARLEN, attention_problem, fastest_attention, varlen_problem
 from sft.models.attention import register as register_varlen
 from sft.models.families import non_text_towers
 from sft.models.hub import local_files_only, model_hub_kwargs
@@ -175,6 +176,38 @@ def check_attention(config: SFTConfig, training: bool) -> None:
     problem = attention_problem(config.attn_implementation, config.on_cuda, cpu_training=training and config.use_cpu)
     if problem:
         raise SFTError(problem)
+
+
+def with_attention(config: SFTConfig, model_config: PretrainedConfig | None) -> SFTConfig:
+    """The recipe with the attention its run computes: `varlen` checked against the model (varlen_problem); unset,
+    with packed or padding-free batches, the fastest that keeps their examples apart (fastest_attention: varlen on a
+    CUDA GPU in 16-bit, else transformers' default). A copy where it changes; the choice is logged."""
+    if model_config is None or model_config.is_encoder_decoder:
+        return config
+    if config.attn_implementation == VARLEN:
+        problem = varlen_problem(model_config, config.max_length)
+        if problem:
+            raise SFTError(f"attn_implementation {VARLEN} cannot run this {model_config.model_type} model: it "
+                           f"{problem}. Use attn_implementation: sdpa.")
+        return config
+    if config.attn_implementation or not (config.packing or config.padding_free or config.packs_eval):
+        return config
+    choice, why = fastest_attention(model_config, config.on_cuda, half_activations(config, model_config),
+                                    config.max_length)
+    (log.info if config.on_cuda else log.debug)("attn_implementation: %s (unset; %s). Set it in the recipe to choose.",
+                                                choice or "transformers' default (sdpa)", why)
+    if choice is None:
+        return config
+    resolved = copy.copy(config)
+    resolved.attn_implementation = choice
+    return resolved
+
+
+def half_activations(config: SFTConfig, model_config: PretrainedConfig) -> bool:
+    """Whether the run computes in 16 bits: bf16/fp16 autocast, or 16-bit weights (the dtype key, or under `auto`
+    the checkpoint's)."""
+    weights = config.dtype if config.dtype != "auto" else str(getattr(model_config, "dtype", None))
+    return bool(config.bf16 or config.fp16) or weights.removeprefix("torch.") in ("bfloat16", "float16")
 
 
 def attention(config: SFTConfig) -> str:

@@ -27,7 +27,7 @@ from sft.evaluation.predict import read_generation_config
 from sft.models.adapters import check_adapter_training
 from sft.models.families import check_packing_supported, flattened_batches
 from sft.models.hub import push_problem
-from sft.models.loading import check_attention, check_loadable, load_model, load_model_config
+from sft.models.loading import check_attention, check_loadable, load_model, load_model_config, with_attention
 from sft.models.quantization import check_quantized_training
 from sft.training.presets import (
     check_launcher,
@@ -168,8 +168,6 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     check_optimizer(config)
     check_quantized_training(config)
     check_attention(config, training=True)
-    if config.packing or config.packs_eval or config.padding_free:
-        check_packing_model(config)  # reads the model's config only: no need to tokenize the data first
     check_adapter_training(config)
     check_generation_settings(config)
     if config.metric_for_best_model is not None:  # eval_keys calls a user metric function once to learn its keys
@@ -178,7 +176,9 @@ def check_before_loading(config: SFTConfig, resume: str | bool | None) -> SFTCon
     model_config = load_model_config(config) if config.model_name_or_path is not None else None
     if model_config is not None:
         check_loadable(model_config)
-    config = with_model_limits(config, fitted_max_length(config, model_config))
+    config = with_attention(with_model_limits(config, fitted_max_length(config, model_config)), model_config)
+    if config.packing or config.packs_eval or config.padding_free:
+        check_packing_model(config)  # reads the model's config only: no need to tokenize the data first
     out = Path(config.output_dir)
     rundir.check_writable(out)
     if config.should_save:  # the process that writes the run's files; the other ranks must not lock it against it
@@ -334,7 +334,7 @@ def run_evaluation(config: SFTConfig) -> dict[str, float]:
     model_config = load_model_config(config) if config.model_name_or_path is not None else None
     if model_config is not None:
         check_loadable(model_config)
-    config = with_model_limits(config, fitted_max_length(config, model_config))
+    config = with_attention(with_model_limits(config, fitted_max_length(config, model_config)), model_config)
     tokenizer = load_tokenizer(config)
     with config.main_process_first(desc="tokenizing"):
         _, eval_data = prepare_splits(config, tokenizer)
