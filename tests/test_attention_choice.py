@@ -164,3 +164,19 @@ def test_sft_train_runs_the_chosen_attention(tmp_path, tiny_model_dir, kernel, m
                                         output_dir=str(tmp_path / "out"))))
     assert main(["train", str(path)]) == 0
     assert (kernel.calls > 0) is gpu
+
+
+def test_sft_check_refuses_explicit_varlen_on_a_model_with_attention_dropout(tmp_path, tokenizer, capsys):
+    """GPT-2 trains with attention dropout 0.1: `sft train` on a GPU would stop at its first step, so `sft check`
+    (whose CPU smoke run swaps varlen for sdpa) says so before anything runs."""
+    config = family_config("gpt2")
+    config.vocab_size = len(tokenizer)
+    model_dir = tmp_path / "gpt2"
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = write_json(tmp_path / "rows.json", [{"prompt": f"Say {i}", "completion": f" {i}"} for i in range(8)])
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(dict(model_name_or_path=str(model_dir), dataset=str(data), packing=True,
+                                        attn_implementation=VARLEN, max_length=64, output_dir=str(tmp_path / "o"))))
+    assert main(["check", str(path)]) == 2
+    assert "cannot run this gpt2 model: it drops attention weights out in training (0.1)" in capsys.readouterr().err

@@ -30,7 +30,7 @@ from sft.errors import SFTError
 from sft.evaluation.metrics import check_best_metric
 from sft.models.families import NON_TEXT_CONFIGS, VARLEN, guess_model_type
 from sft.models.hub import local_files_only
-from sft.models.loading import generation_eos, recipe_architecture, tokenizer_mismatch
+from sft.models.loading import generation_eos, recipe_architecture, tokenizer_mismatch, with_attention
 from sft.training.catalog import shipped
 from sft.training.flows import fitted_max_length
 from sft.training.presets import shards
@@ -126,6 +126,7 @@ def tiny_recipe(path: str, flags: list[str] | None, folder: Path) -> tuple[SFTCo
     real = real_architecture(config)
     if real is not None:  # the tiny stand-in has positions of its own: the real model must have max_length
         fitted_max_length(config, real)
+        with_attention(config, real)  # as sft train: an explicit varlen the real model's attention defeats is refused
     report = CheckReport(recipe=str(path))
     overrides = cpu_overrides(config, report, folder)
     overrides.update(sample_data(config, report))
