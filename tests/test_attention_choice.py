@@ -105,14 +105,15 @@ def test_a_window_is_refused_only_for_a_kernel_without_window_size(monkeypatch):
 ])
 def test_varlen_is_chosen_only_on_a_gpu_it_runs_on_in_16_bits(monkeypatch, cuda, half, has_kernel, runs, chosen):
     monkeypatch.setattr(attention, "TORCH_VARLEN", attention.TORCH_VARLEN if has_kernel else None)
-    monkeypatch.setattr(attention, "kernel_runs", lambda: runs)
-    choice, why = attention.fastest_attention(AutoConfig.for_model("llama"), cuda, half, 2048)
+    monkeypatch.setattr(attention, "kernel_runs", lambda device: runs)
+    gpu = torch.device("cuda", 1) if cuda else None
+    choice, why = attention.fastest_attention(AutoConfig.for_model("llama"), gpu, half, 2048)
     assert choice == chosen and why
 
 
 def test_a_model_varlen_cannot_run_keeps_the_default(monkeypatch):
-    monkeypatch.setattr(attention, "kernel_runs", lambda: True)
-    choice, why = attention.fastest_attention(AutoConfig.for_model("gemma2"), True, True, 2048)
+    monkeypatch.setattr(attention, "kernel_runs", lambda device: True)
+    choice, why = attention.fastest_attention(AutoConfig.for_model("gemma2"), torch.device("cuda", 0), True, 2048)
     assert choice is None and "soft-caps" in why
 
 
@@ -123,10 +124,12 @@ def recipe(tmp_path, model_dir, **keys) -> SFTConfig:
 
 
 @pytest.fixture
-def on_gpu(monkeypatch):
-    """A run that sees a GPU the kernel runs on (the CPU stand-in computes)."""
+def on_gpu(monkeypatch) -> list:
+    """A run that sees a GPU the kernel runs on (the CPU stand-in computes); yields the devices probed."""
+    probed = []
     monkeypatch.setattr(SFTConfig, "on_cuda", property(lambda self: True))
-    monkeypatch.setattr(attention, "kernel_runs", lambda: True)
+    monkeypatch.setattr(attention, "kernel_runs", lambda device: probed.append(device) or True)
+    return probed
 
 
 def test_unset_attention_becomes_varlen_for_packed_16_bit_batches_on_a_gpu(tmp_path, tiny_model_dir, on_gpu, caplog):
@@ -135,6 +138,7 @@ def test_unset_attention_becomes_varlen_for_packed_16_bit_batches_on_a_gpu(tmp_p
     with caplog.at_level(logging.INFO, logger="sft.models.loading"):
         chosen = with_attention(config, model_config)
     assert chosen.attn_implementation == VARLEN and config.attn_implementation is None  # a copy
+    assert on_gpu == [config.device]  # the process's own device, not "cuda" (GPU 0 from every rank)
     assert "attn_implementation: varlen (unset" in caplog.text
     for kept in (dict(attn_implementation="sdpa"), dict(packing=False), dict(bf16=False, dtype="float32")):
         assert with_attention(recipe(tmp_path, tiny_model_dir, **kept), model_config).attn_implementation \
@@ -154,7 +158,7 @@ def test_sft_train_runs_the_chosen_attention(tmp_path, tiny_model_dir, kernel, m
     without one it never is."""
     if gpu:
         monkeypatch.setattr(SFTConfig, "on_cuda", property(lambda self: True))
-        monkeypatch.setattr(attention, "kernel_runs", lambda: True)
+        monkeypatch.setattr(attention, "kernel_runs", lambda device: True)
     data = write_json(tmp_path / "rows.json", [{"prompt": f"Say {i}", "completion": f" number {i} " * (1 + i % 4)}
                                               for i in range(24)])
     path = tmp_path / "recipe.yaml"

@@ -148,9 +148,10 @@ def test_an_unset_attention_is_varlen_for_packed_bf16_batches_on_gpu():
 
     if attention.TORCH_VARLEN is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
-    assert attention.kernel_runs()
-    assert attention.fastest_attention(AutoConfig.for_model("llama"), True, True, 2048)[0] == attention.VARLEN
-    assert attention.fastest_attention(AutoConfig.for_model("llama"), True, False, 2048)[0] is None
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    assert attention.kernel_runs(gpu)
+    assert attention.fastest_attention(AutoConfig.for_model("llama"), gpu, True, 2048)[0] == attention.VARLEN
+    assert attention.fastest_attention(AutoConfig.for_model("llama"), gpu, False, 2048)[0] is None
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")

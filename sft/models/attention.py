@@ -130,24 +130,26 @@ def varlen_problem(model_config: PretrainedConfig, max_length: int | None) -> st
 
 
 @functools.cache
-def kernel_runs() -> bool:
-    """Whether torch's varlen kernel runs on this process's GPU (asked with a 4-token call, once: flash kernels
-    need an Ampere or newer GPU and bf16 support)."""
+def kernel_runs(device: torch.device) -> bool:
+    """Whether torch's varlen kernel runs on this GPU (asked with a 4-token call, once: flash kernels need an Ampere
+    or newer GPU). The process's own device: under torchrun a probe on "cuda" would open a context on GPU 0 from
+    every rank."""
     try:
-        states = torch.zeros(4, 1, 64, dtype=torch.bfloat16, device="cuda")
-        call_kernel(states, states, states, torch.tensor([0, 4], dtype=torch.int32, device="cuda"), 4, 0.125, None)
+        states = torch.zeros(4, 1, 64, dtype=torch.bfloat16, device=device)
+        cu_seq = torch.tensor([0, 4], dtype=torch.int32, device=device)
+        call_kernel(states, states, states, cu_seq, 4, 0.125, None)
     except (RuntimeError, SFTError):
         return False
     return True
 
 
-def fastest_attention(model_config: PretrainedConfig, cuda: bool, half: bool,
+def fastest_attention(model_config: PretrainedConfig, gpu: torch.device | None, half: bool,
                       max_length: int | None) -> tuple[str | None, str]:
-    """The attention an unset attn_implementation runs for packed or padding-free batches, and why: `varlen` on a
-    CUDA GPU with 16-bit activations (half) where this torch has the kernel, it runs on the GPU and it computes this
-    model's attention; else None, transformers' default (sdpa), which isolates packed rows with an [L, L] mask per
-    row and computes every block of it."""
-    if not cuda:
+    """The attention an unset attn_implementation runs for packed or padding-free batches on CUDA device `gpu`
+    (None: the run has none), and why: `varlen` with 16-bit activations (half) where this torch has the kernel, it
+    runs on the GPU and it computes this model's attention; else None, transformers' default (sdpa), which isolates
+    packed rows with an [L, L] mask per row and computes every block of it."""
+    if gpu is None:
         return None, "no CUDA GPU"
     if not half:
         return None, "float32 activations (the flash kernel takes bf16 or fp16)"
@@ -156,7 +158,7 @@ def fastest_attention(model_config: PretrainedConfig, cuda: bool, half: bool,
     problem = varlen_problem(model_config, max_length)
     if problem:
         return None, f"the model {problem}"
-    if not kernel_runs():
+    if not kernel_runs(gpu):
         return None, "torch's varlen kernel does not run on this GPU"
     return VARLEN, "packed 16-bit batches on a CUDA GPU: torch's flash kernel within each example, no [L, L] mask"
 

@@ -192,8 +192,8 @@ def with_attention(config: SFTConfig, model_config: PretrainedConfig | None) -> 
         return config
     if config.attn_implementation or not (config.packing or config.padding_free or config.packs_eval):
         return config
-    choice, why = fastest_attention(model_config, config.on_cuda, half_activations(config, model_config),
-                                    config.max_length)
+    choice, why = fastest_attention(model_config, config.device if config.on_cuda else None,
+                                    half_activations(config, model_config), config.max_length)
     (log.info if config.on_cuda else log.debug)("attn_implementation: %s (unset; %s). Set it in the recipe to choose.",
                                                 choice or "transformers' default (sdpa)", why)
     if choice is None:
