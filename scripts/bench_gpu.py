@@ -48,12 +48,14 @@ MODIFIERS = {
     # inductor benchmarks its Triton GEMM templates against cuBLAS per shape (max-autotune, without CUDA graphs), for
     # the 0.5B shape's hidden-896 GEMMs, which cuBLAS ran far below the peak (BENCHMARKS.md); peftadd (LoRA): peft's
     # own LoRA forward, its scaling and add as separate passes (sft.models.lora_layers adds inside lora_B's addmm);
-    # fusedloss: loss_kernel fused, the chunked loss's softmax and gradient compiled into fused kernels.
+    # fusedloss: loss_kernel fused, the chunked loss's softmax and gradient compiled into fused kernels; blocking:
+    # batches copied to the GPU with blocking copies (sft's default before the sixth session: the GPU idled while
+    # the next batch was collated).
     "sft": {"varlen": {"attn_implementation": "varlen"}, "flex": {"attn_implementation": "flex_attention"},
             "liger": {"loss_kernel": "liger"}, "compile": {"torch_compile": True},
             "budget": {"activation_memory_budget": 0.8},
             "autotune": {"torch_compile_mode": "max-autotune-no-cudagraphs"}, "peftadd": {PEFT_ADD: True},
-            "fusedloss": {"loss_kernel": "fused"}},
+            "fusedloss": {"loss_kernel": "fused"}, "blocking": {"accelerator_config": {"non_blocking": False}}},
     # trl on sdpa flattens each padding-free batch into one row, so sdpa gets one [T, T] block mask over the whole
     # batch (8 x 2048 tokens: 16,384^2, no block skipped); flex: transformers' BlockMask skips the blocks between
     # examples (TRL's best isolating attention where no flash-attn package is installed); compile: torch_compile.
@@ -308,6 +310,12 @@ def common_args(spec: dict) -> dict:
             "use_cpu": not cuda}
 
 
+def queued_copies(spec: dict) -> dict:
+    """Batches copied to the GPU without waiting for it, as sft does by default (SFTConfig, pinned memory): given
+    to TRL and the plain Trainer too, so that the comparison is not of that default (the `blocking` modifier is)."""
+    return {"accelerator_config": {"non_blocking": True}} if spec["device"] == "cuda" else {}
+
+
 def lora_config():
     from peft import LoraConfig
 
@@ -387,8 +395,8 @@ def trl_trainer(spec: dict, callback):
 
     workdir = Path(spec["workdir"])
     liger = spec["liger"] and spec["device"] == "cuda" and importlib.util.find_spec("liger_kernel") is not None
-    config = SFTConfig(**common_args(spec), max_length=spec["max_length"], packing=spec["packing"],
-                       padding_free=spec["packing"], use_liger_kernel=liger,
+    config = SFTConfig(**common_args(spec), **queued_copies(spec), max_length=spec["max_length"],
+                       packing=spec["packing"], padding_free=spec["packing"], use_liger_kernel=liger,
                        gradient_checkpointing=spec["checkpointing"],
                        torch_compile=spec.get("settings", {}).get("torch_compile", False))
     data = datasets.load_dataset("json", data_files=str(workdir / "data.jsonl"), split="train")
@@ -424,7 +432,7 @@ def plain_trainer(spec: dict, callback):
         elif spec["checkpointing"]:
             model.enable_input_require_grads()  # checkpointed frozen embeddings would otherwise cut the graph
         model = get_peft_model(model, lora_config())
-    args = TrainingArguments(**common_args(spec), gradient_checkpointing=spec["checkpointing"])
+    args = TrainingArguments(**common_args(spec), **queued_copies(spec), gradient_checkpointing=spec["checkpointing"])
     return Trainer(model=model, args=args, train_dataset=data, callbacks=[callback],
                    data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
 

@@ -93,6 +93,20 @@ def test_fusedloss_is_the_fused_loss_kernel():
     assert "fused" in SFTConfig.__dataclass_fields__["loss_kernel"].metadata["choices"]
 
 
+def test_blocking_puts_back_the_blocking_batch_copies_and_the_others_get_sft_s_queued_ones():
+    from bench_gpu import queued_copies
+
+    from sft.training.recipe import load_recipe
+
+    base, settings = tool_settings("sft-varlen-compile-blocking")
+    assert settings["accelerator_config"] == {"non_blocking": False}
+    recipe = {"output_dir": "/tmp/unused", "dataloader_pin_memory": True, "report_to": "none"}
+    assert load_recipe(recipe | settings).accelerator_config.non_blocking is False
+    assert load_recipe(recipe).accelerator_config.non_blocking is True  # sft's default, which TRL lacks:
+    assert queued_copies({"device": "cuda"}) == {"accelerator_config": {"non_blocking": True}}  # given to TRL, plain
+    assert queued_copies({"device": "cpu"}) == {}
+
+
 def test_trace_gaps_charges_each_gpu_wait_to_the_outermost_host_work_running():
     """A GPU timeline with two waits: one while the host reads a value (aten::item, its nested op inside), one in
     the optimizer's step; a 5 µs gap is under the threshold; gaps on one stream covered by another are not gaps."""

@@ -224,6 +224,34 @@ def test_config_defaults_that_keep_the_host_off_the_gpu(tmp_path):
     assert args.dataloader_num_workers == 0  # scripts/bench_collate.py: workers save ~1 ms per 8x2048 batch
 
 
+def device_moves(tmp_path, tokenizer, monkeypatch, **config) -> list[bool]:
+    """The non_blocking flag of every batch move accelerate's dataloader makes in 2 training steps."""
+    import accelerate.data_loader
+
+    flags, move = [], accelerate.data_loader.send_to_device
+
+    def recorded(batch, device, non_blocking=False, **kwargs):
+        flags.append(non_blocking)
+        return move(batch, device, non_blocking=non_blocking, **kwargs)
+
+    monkeypatch.setattr(accelerate.data_loader, "send_to_device", recorded)
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to="none",
+                     save_strategy="no", **config)
+    SFTTrainer(model=make_llama(len(tokenizer)), args=args, processing_class=tokenizer, train_dataset=sft_data()).train()
+    return flags
+
+
+@pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")  # a CPU-only torch has no memory to pin
+def test_batches_go_to_the_gpu_without_waiting_for_it(tmp_path, tokenizer, monkeypatch):
+    """With pinned batches (the default where a GPU is) accelerate queues each batch's copy: a blocking one waits for
+    the previous step to finish, and the GPU then idles while the next batch is collated. The recipe's own
+    accelerator_config.non_blocking wins; unpinned batches keep blocking copies (non_blocking needs pinned memory)."""
+    assert set(device_moves(tmp_path / "a", tokenizer, monkeypatch, dataloader_pin_memory=True)) == {True}
+    assert set(device_moves(tmp_path / "b", tokenizer, monkeypatch, dataloader_pin_memory=True,
+                            accelerator_config={"non_blocking": False})) == {False}
+    assert set(device_moves(tmp_path / "c", tokenizer, monkeypatch, dataloader_pin_memory=False)) == {False}
+
+
 def sync_site(filename: str, lineno: int) -> str:
     """Where a synchronising call came from: the warning's frame, and where that is inside torch (a torch.cuda
     helper), the first caller outside torch too."""
@@ -257,6 +285,38 @@ class SyncCountingTrainer(SFTTrainer):
             finally:
                 torch.cuda.set_sync_debug_mode(0)
                 self.step_syncs.append(sites)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("non_blocking", [True, False])
+def test_the_dataloader_moves_batches_without_synchronising_on_gpu(tmp_path, tokenizer, non_blocking):
+    """The whole loop, not one training step: accelerate's batch moves make no synchronising CUDA call with sft's
+    default (non_blocking from pinned memory); with blocking copies (the control) each move is one."""
+    import accelerate.utils.operations
+
+    sites = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "called a synchronizing CUDA operation" in str(message):
+            sites.append(sync_site(filename, lineno))
+
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=OPTIMIZER_STEPS,
+                     logging_steps=100, report_to="none", save_strategy="no",
+                     accelerator_config={"non_blocking": non_blocking})
+    trainer = SFTTrainer(model=make_llama(len(tokenizer), seed=1), args=args, processing_class=tokenizer,
+                         train_dataset=sft_data())
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    moves = [site for site in sites if accelerate.utils.operations.__file__.removesuffix("c") in site]
+    print(f"non_blocking={non_blocking}: {len(moves)} synchronising batch moves of {len(sites)} syncs")
+    assert bool(moves) is not non_blocking, sites
 
 
 @pytest.mark.gpu

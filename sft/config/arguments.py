@@ -81,7 +81,9 @@ class SFTConfig(Seq2SeqTrainingArguments):
                          "the context the template gives it at inference), last (train only the final turn) or "
                          "error.", "split", choices=HISTORY)
     dataset_num_proc: int | None = _help("Processes for tokenization (datasets.map num_proc).")
-    dataloader_pin_memory: bool = _help("Pin dataloader memory (only useful with a GPU).", torch.cuda.is_available())
+    dataloader_pin_memory: bool = _help(
+        "Pin dataloader memory (only useful with a GPU); pinned batches are copied to the GPU without waiting for it "
+        "(accelerator_config.non_blocking, unless the recipe sets it).", torch.cuda.is_available())
     dataloader_num_workers: int = _help(
         "Processes that fetch and collate batches beside training (0: between steps, in the training process). sft's "
         "collators take ~1.3 ms for 8 packed rows of 2048 tokens and fetching them ~0.9 ms (scripts/bench_collate.py),"
@@ -175,6 +177,12 @@ class SFTConfig(Seq2SeqTrainingArguments):
             # transformers trains on CPU here anyway, but only use_cpu tells accelerate so: with it a torchrun /
             # `sft launch` of N processes is gloo data-parallel (not N independent runs) and bf16 is CPU autocast.
             self.use_cpu = self.cpu_by_default = True
+        if self.dataloader_pin_memory and isinstance(self.accelerator_config, dict | None):
+            # accelerate moves each batch to the GPU as the loop takes it, then collates the next one before handing
+            # it over. A blocking copy first waits for the GPU to finish the previous step, so the GPU idled through
+            # that collation and the Trainer's bookkeeping at every step (7.7 ms on 8 x 2048 tokens, BENCHMARKS.md).
+            # From pinned memory the copy is queued instead (the pinned buffer is kept until it is done).
+            self.accelerator_config = {"non_blocking": True, **(self.accelerator_config or {})}
         deferred = {name: getattr(self, name) for name in GPU_ONLY_FLAGS if getattr(self, name) and not
                     _supported(name, self.use_cpu)}
         for name in deferred:  # let TrainingArguments validate (and resolve) the rest on any machine
