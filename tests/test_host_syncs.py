@@ -14,6 +14,7 @@ sync on a GPU. A run of 2 optimizer steps x 4 accumulated micro-steps, logging_s
 Nothing else: the chunked loss selects trained positions at a size the collator counted on the host.
 """
 
+import collections
 import traceback
 import warnings
 
@@ -315,7 +316,8 @@ def test_the_dataloader_moves_batches_without_synchronising_on_gpu(tmp_path, tok
         finally:
             torch.cuda.set_sync_debug_mode(0)
     moves = [site for site in sites if accelerate.utils.operations.__file__.removesuffix("c") in site]
-    print(f"non_blocking={non_blocking}: {len(moves)} synchronising batch moves of {len(sites)} syncs")
+    print(f"non_blocking={non_blocking}: {len(moves)} synchronising batch moves of {len(sites)} syncs in the loop:",
+          collections.Counter(sites).most_common(8))
     assert bool(moves) is not non_blocking, sites
 
 
