@@ -18,9 +18,9 @@ from sft.cli.main import main
 from sft.errors import SFTError
 from sft.models import attention
 from sft.models.families import VARLEN, packing_families
-from sft.models.loading import with_attention
+from sft.models.loading import attention_on_a_gpu, with_attention
 
-from conftest import write_json
+from conftest import REPO, write_json
 
 LENGTHS = (5, 12, 9)
 
@@ -140,6 +140,7 @@ def test_unset_attention_becomes_varlen_for_packed_16_bit_batches_on_a_gpu(tmp_p
     assert chosen.attn_implementation == VARLEN and config.attn_implementation is None  # a copy
     assert on_gpu == [config.device]  # the process's own device, not "cuda" (GPU 0 from every rank)
     assert "attn_implementation: varlen (unset" in caplog.text
+    assert attention_on_a_gpu(config, model_config).startswith("varlen (packed 16-bit batches")
     for kept in (dict(attn_implementation="sdpa"), dict(packing=False), dict(bf16=False, dtype="float32")):
         assert with_attention(recipe(tmp_path, tiny_model_dir, **kept), model_config).attn_implementation \
             == kept.get("attn_implementation")
@@ -184,3 +185,25 @@ def test_sft_check_refuses_explicit_varlen_on_a_model_with_attention_dropout(tmp
                                         attn_implementation=VARLEN, max_length=64, output_dir=str(tmp_path / "o"))))
     assert main(["check", str(path)]) == 2
     assert "cannot run this gpt2 model: it drops attention weights out in training (0.1)" in capsys.readouterr().err
+
+
+def test_sft_check_tells_which_attention_the_recipe_gets_on_a_gpu(tmp_path, tiny_model_dir):
+    """`sft check` runs sdpa on CPU; its table says what a GPU run of the recipe computes, and why."""
+    cases = {(): "varlen (packed 16-bit batches", ("packing",): "sdpa, transformers' default (batches are not packed",
+             ("bf16",): "sdpa, transformers' default (float32 activations"}
+    for dropped, expected in cases.items():
+        config = recipe(tmp_path, tiny_model_dir, **dict.fromkeys(dropped, False))
+        assert attention_on_a_gpu(config, AutoConfig.from_pretrained(tiny_model_dir)).startswith(expected)
+    assert attention_on_a_gpu(recipe(tmp_path, tiny_model_dir), family_config("gpt2")).startswith(
+        "sdpa, transformers' default (the model drops attention weights out")
+    assert attention_on_a_gpu(recipe(tmp_path, tiny_model_dir, attn_implementation="eager"),
+                              family_config("llama")) == "eager (the recipe's)"
+
+
+def test_sft_check_reports_the_gpu_attention_in_its_table(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # the quickstart names data/ paths relative to the repository
+    path = tmp_path / "packed.yaml"
+    path.write_text((REPO / "recipes" / "quickstart.yaml").read_text() + "packing: true\nbf16: true\n")
+    assert main(["check", str(path)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("attention on a GPU"))
+    assert "varlen (packed 16-bit batches" in row

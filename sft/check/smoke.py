@@ -30,7 +30,13 @@ from sft.errors import SFTError
 from sft.evaluation.metrics import check_best_metric
 from sft.models.families import NON_TEXT_CONFIGS, VARLEN, guess_model_type
 from sft.models.hub import local_files_only
-from sft.models.loading import generation_eos, recipe_architecture, tokenizer_mismatch, with_attention
+from sft.models.loading import (
+    attention_on_a_gpu,
+    generation_eos,
+    recipe_architecture,
+    tokenizer_mismatch,
+    with_attention,
+)
 from sft.training.catalog import shipped
 from sft.training.flows import fitted_max_length
 from sft.training.presets import shards
@@ -69,11 +75,13 @@ class CheckReport:
     metrics: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     warnings: list[str] = dataclasses.field(default_factory=list)  # what sft train warned of in the smoke run
+    gpu_attention: str = ""  # the attention the recipe's run gets on a GPU (the smoke run's is sdpa)
 
     def table(self) -> str:
         rows = [("recipe", self.recipe), ("architecture", f"tiny {self.model_type} (2 layers, hidden 64)"),
                 ("data", self.data), ("skipped (GPU only)", ", ".join(self.skipped) or "-")]
         rows += [("skipped (multi-process)", self.launch)] if self.launch else []
+        rows += [("attention on a GPU (Ampere+)", self.gpu_attention)] if self.gpu_attention else []
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in self.metrics.items()]
         rows.append(("time", f"{self.seconds:.1f} s"))
         width = max(len(k) for k, _ in rows)
@@ -127,7 +135,7 @@ def tiny_recipe(path: str, flags: list[str] | None, folder: Path) -> tuple[SFTCo
     if real is not None:  # the tiny stand-in has positions of its own: the real model must have max_length
         fitted_max_length(config, real)
         with_attention(config, real)  # as sft train: an explicit varlen the real model's attention defeats is refused
-    report = CheckReport(recipe=str(path))
+    report = CheckReport(recipe=str(path), gpu_attention=attention_on_a_gpu(config, real) if real else "")
     overrides = cpu_overrides(config, report, folder)
     overrides.update(sample_data(config, report))
     overrides.update(tiny_model(config, report, folder / "model", real))

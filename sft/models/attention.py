@@ -151,15 +151,22 @@ def fastest_attention(model_config: PretrainedConfig, gpu: torch.device | None, 
     packed rows with an [L, L] mask per row and computes every block of it."""
     if gpu is None:
         return None, "no CUDA GPU"
+    choice, why = gpu_attention(model_config, half, max_length)
+    if choice is not None and not kernel_runs(gpu):
+        return None, "torch's varlen kernel does not run on this GPU"
+    return choice, why
+
+
+def gpu_attention(model_config: PretrainedConfig, half: bool, max_length: int | None) -> tuple[str | None, str]:
+    """fastest_attention on an Ampere or newer GPU, without one at hand (the kernel is not probed): what `sft check`
+    tells of a recipe on any machine."""
     if not half:
-        return None, "float32 activations (the flash kernel takes bf16 or fp16)"
+        return None, "float32 activations: the flash kernel takes bf16 or fp16"
     if TORCH_VARLEN is None:
         return None, f"torch {torch.__version__} has no varlen_attn"
     problem = varlen_problem(model_config, max_length)
     if problem:
         return None, f"the model {problem}"
-    if not kernel_runs(gpu):
-        return None, "torch's varlen kernel does not run on this GPU"
     return VARLEN, "packed 16-bit batches on a CUDA GPU: torch's flash kernel within each example, no [L, L] mask"
 
 

@@ -27,7 +27,7 @@ from sft.models.adapters import (
     load_trained_adapter,
 )
 from sft.models.architectures import model_architecture
-from sft.models.attention import VARLEN, attention_problem, fastest_attention, varlen_problem
+from sft.models.attention import VARLEN, attention_problem, fastest_attention, gpu_attention, varlen_problem
 from sft.models.attention import register as register_varlen
 from sft.models.families import non_text_towers
 from sft.models.hub import local_files_only, model_hub_kwargs
@@ -35,6 +35,7 @@ from sft.models.quantization import DTYPES, quantized_loading, run_quantization
 from sft.models.weights import RECIPE_ALLOW, pickle_problem, safetensors_kwargs, unloadable_hint
 
 log = logging.getLogger(__name__)
+DEFAULT_ATTENTION = "sdpa, transformers' default"
 EMBEDDING_MULTIPLE = 64  # padded vocab sizes keep matmuls on fast tensor-core shapes
 # More new rows than a chat template's or a user's few added tokens: the tokenizer belongs to another vocabulary.
 FOREIGN_TOKENIZER_ROWS = 256
@@ -190,17 +191,33 @@ def with_attention(config: SFTConfig, model_config: PretrainedConfig | None) -> 
             raise SFTError(f"attn_implementation {VARLEN} cannot run this {model_config.model_type} model: it "
                            f"{problem}. Use attn_implementation: sdpa.")
         return config
-    if config.attn_implementation or not (config.packing or config.padding_free or config.packs_eval):
+    if config.attn_implementation or not packed_batches(config):
         return config
     choice, why = fastest_attention(model_config, config.device if config.on_cuda else None,
                                     half_activations(config, model_config), config.max_length)
     (log.info if config.on_cuda else log.debug)("attn_implementation: %s (unset; %s). Set it in the recipe to choose.",
-                                                choice or "transformers' default (sdpa)", why)
+                                                choice or DEFAULT_ATTENTION, why)
     if choice is None:
         return config
     resolved = copy.copy(config)
     resolved.attn_implementation = choice
     return resolved
+
+
+def attention_on_a_gpu(config: SFTConfig, model_config: PretrainedConfig) -> str:
+    """The attention this recipe's run gets on an Ampere or newer GPU, and why (`sft check` reports it on any
+    machine: its smoke run's is sdpa)."""
+    if config.attn_implementation:
+        return f"{config.attn_implementation} (the recipe's)"
+    if not packed_batches(config):
+        return f"{DEFAULT_ATTENTION} (batches are not packed or padding-free)"
+    choice, why = gpu_attention(model_config, half_activations(config, model_config), config.max_length)
+    return f"{choice or DEFAULT_ATTENTION} ({why})"
+
+
+def packed_batches(config: SFTConfig) -> bool:
+    """Whether some split's batches are packed or padding-free (what an unset attention is chosen for)."""
+    return bool(config.packing or config.padding_free or config.packs_eval)
 
 
 def half_activations(config: SFTConfig, model_config: PretrainedConfig) -> bool:
