@@ -154,6 +154,23 @@ def test_an_unset_attention_is_varlen_for_packed_bf16_batches_on_gpu():
     assert attention.fastest_attention(AutoConfig.for_model("llama"), gpu, False, 2048)[0] is None
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt_neox", "starcoder2", "phi"])
+def test_the_cpu_simulated_layer_keeps_what_the_gpu_keeps(model_type):
+    """sft plan's simulated step acts out CUDA's autocast on the CPU (LayerNorm and gelu_new's pow in float32): a
+    decoder layer keeps the same bytes a token, by dtype and width, here and on the GPU."""
+    from test_cuda_autocast import SMALL
+    from test_plan import family_config, recipe
+
+    from sft.planning.memtrace import saved_per_layer
+    from sft.training.recipe import load_recipe
+
+    config = load_recipe(recipe("x", "full", 1, 256, False))
+    arch = family_config(dict(model_type=model_type), **SMALL)
+    cpu, gpu = saved_per_layer(config, arch, 256, "cpu"), saved_per_layer(config, arch, 256, "cuda")
+    print(model_type, "cpu", cpu, "gpu", gpu)
+    assert cpu == gpu
+
+
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
 def test_qlora_trains_the_adapter_only_on_gpu(tmp_path):
     from safetensors.torch import load_file

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from sft.planning.cuda_autocast import CudaAutocastOnCpu
 from sft.planning.memory import NATIVE_ACTIVATION_BYTES, head_dim, kv_width, mlp_width
 
 
@@ -40,8 +41,9 @@ def activation_saved_bytes(name: str | None) -> float:
         return NATIVE_ACTIVATION_BYTES
     saved = {}
     x = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.setdefault(t.untyped_storage().data_ptr(), t),
-                                                  lambda t: t):
+    with (torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastOnCpu(),
+          torch.autograd.graph.saved_tensors_hooks(lambda t: saved.setdefault(t.untyped_storage().data_ptr(), t),
+                                                   lambda t: t)):
         ACT2FN[name](x)
     return sum(t.untyped_storage().nbytes() for t in saved.values()) / x.numel()
 

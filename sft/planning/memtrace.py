@@ -35,6 +35,7 @@ from sft.errors import SFTError
 from sft.models.adapters import head_weight, unwrapped
 from sft.models.compilation import compile_blocks
 from sft.models.quantization import DTYPES, compute_dtype
+from sft.planning.cuda_autocast import CudaAutocastOnCpu
 from sft.training.linear_cross_entropy import LinearCrossEntropy, chunk_rows, chunked_token_losses
 from sft.training.loss import supports_chunked_loss, token_cross_entropy
 
@@ -277,7 +278,7 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, config: SFTC
         for _ in range(min(config.gradient_accumulation_steps, 2)):
             before_forward()  # MemTracker's per-module stats allow one forward each; the peak is kept
             ids = torch.randint(0, vocab_size, shape, device=device)
-            with autocast:
+            with autocast, as_on_cuda(device):
                 loss = loss_of(model, config, ids)
             loss.backward()
         optimizer.step()
@@ -290,7 +291,7 @@ def eval_step(model: nn.Module, config: SFTConfig, vocab_size: int, device: str)
     SFTMixin's token-loss pass over those logits."""
     model.eval()
     ids = torch.randint(0, vocab_size, (config.per_device_eval_batch_size, config.max_length), device=device)
-    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16)):
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16)), as_on_cuda(device):
         if not chunked_applies(model, config):
             outputs = model(input_ids=ids, labels=ids, use_cache=False)
             token_cross_entropy(outputs.logits, ids, shifted=True)  # EvalTokenSums.add
@@ -302,6 +303,12 @@ def eval_step(model: nn.Module, config: SFTConfig, vocab_size: int, device: str)
         token_losses = torch.zeros(targets.shape, dtype=torch.float32, device=device)
         token_losses.view(-1)[:] = chunked_token_losses(trained_rows(hidden), weight, targets.reshape(-1),
                                                          chunk_rows(weight.shape[0]))
+
+
+def as_on_cuda(device: str) -> contextlib.AbstractContextManager:
+    """On the CPU, CUDA's autocast acted out (its float32 ops: LayerNorm, pow, ...), as dropout_as_on_cuda acts out
+    its dropout: the step simulated is the GPU's. On a GPU its own autocast does it."""
+    return CudaAutocastOnCpu() if device == "cpu" else contextlib.nullcontext()
 
 
 def with_layers(model_config: PretrainedConfig, layers: int) -> PretrainedConfig:
@@ -337,7 +344,7 @@ def saved_per_layer(config: SFTConfig, model_config: PretrainedConfig, tokens: i
                     seen[storage.data_ptr()] = (tensor.dtype, storage.nbytes())
                 return tensor
 
-            with (torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16)),
+            with (torch.autocast(device, dtype=torch.bfloat16, enabled=bool(config.bf16)), as_on_cuda(device),
                   torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t)):
                 unwrapped(model).get_decoder()(input_ids=ids, use_cache=False)
         by_kind: dict[tuple[str, int], float] = {}
