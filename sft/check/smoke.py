@@ -81,7 +81,7 @@ class CheckReport:
         rows = [("recipe", self.recipe), ("architecture", f"tiny {self.model_type} (2 layers, hidden 64)"),
                 ("data", self.data), ("skipped (GPU only)", ", ".join(self.skipped) or "-")]
         rows += [("skipped (multi-process)", self.launch)] if self.launch else []
-        rows += [("attention on a GPU (Ampere+)", self.gpu_attention)] if self.gpu_attention else []
+        rows += [("attention on a GPU", self.gpu_attention)] if self.gpu_attention else []
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in self.metrics.items()]
         rows.append(("time", f"{self.seconds:.1f} s"))
         width = max(len(k) for k, _ in rows)
