@@ -748,6 +748,23 @@ PHI_2 = dict(model_type="phi", vocab_size=51200, hidden_size=2560, intermediate_
              num_attention_heads=32, partial_rotary_factor=0.4, hidden_act="gelu_new")  # microsoft/phi-2
 
 
+@pytest.mark.parametrize("sizes", [PYTHIA_1B, PHI_2, PHI3_MINI], ids=["pythia", "phi2", "phi3"])
+def test_the_time_estimate_counts_the_matrices_a_token_runs_through(sizes):
+    """6N counts the decoder's matmul weights and the head: a plain MLP (Pythia's, Phi-2's fc1 and fc2) has two
+    matrices of its width, not a gated one's three (Pythia-1b was counted 1.30x its 6N: 1.18e9 weights for 0.91e9, Phi-2
+    1.32x: 3.49e9 for 2.65e9)."""
+    arch = family_config(sizes, num_hidden_layers=2)
+    config = load_recipe(recipe("x", "full", 1, 256, False))
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(arch)
+    lookup = model.get_input_embeddings().weight
+    weights = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not lookup)
+    assert planner.model_facts(config, arch, "full").matmul_params == weights
+    assert (planner.matmul_params(arch) == weights) is (sizes is PHI3_MINI)  # counted as gated: right for Phi-3 only
+
+
 def test_an_activation_written_as_several_ops_is_counted_by_what_it_keeps():
     from sft.planning.layers import activation_saved_bytes
 

@@ -181,15 +181,17 @@ def mlp_width(arch: PretrainedConfig) -> int:
     return experts * width + (getattr(arch, "shared_expert_intermediate_size", None) or 0)
 
 
-def matmul_params(arch: PretrainedConfig) -> int:
+def matmul_params(arch: PretrainedConfig, gated: bool = True) -> int:
     """Weights every token multiplies through: decoder layers and the LM head (not the embedding lookup); a
-    multimodal model's text model only (text never runs through its vision tower)."""
+    multimodal model's text model only (text never runs through its vision tower). A gated MLP (gate, up, down) has
+    three matrices of the MLP width, a plain one (fc1, fc2: GPT-NeoX, Phi-2, StarCoder2) two."""
     arch = text_config(arch)
     h, layers = arch.hidden_size, arch.num_hidden_layers
     q = arch.num_attention_heads * head_dim(arch)
     kv = kv_width(arch)
     router = h * (getattr(arch, "num_local_experts", None) or getattr(arch, "num_experts", None) or 0)
-    per_layer = h * q * 2 + h * kv * 2 + 3 * h * mlp_width(arch) + router  # MoE: the experts a token runs through
+    mlp = (3 if gated else 2) * h * mlp_width(arch)  # MoE: the experts a token runs through
+    per_layer = h * q * 2 + h * kv * 2 + mlp + router
     return layers * per_layer + arch.vocab_size * h
 
 
