@@ -28,6 +28,9 @@ tokens, the first (1 - fraction) of every row untrained (a masked prompt). --sma
   (sft.training.linear_cross_entropy.fused_logit_gradients) compiled by inductor with dynamic rows, so the float32
   logits' eager passes (cast, max, exp, sum, divide, cast back: ~46 bytes a logit) become reads of the 16-bit logits
   in fused loops (~8 bytes); compile time in the first warm-up, not the median.
+- chunked-fused-4x: chunked-fused with 4x the rows per chunk: the float32 [vocabulary, hidden] weight-gradient
+  accumulator is read and written once a chunk (1.09 GB at Qwen2.5's head, about 0.36 ms on an H100: more than the
+  chunk's 0.15 ms of weight-gradient FLOPs), so fewer chunks move less; the fused step holds 4 bytes a logit, not 6.
 - chunked-compiled (only when named in --variants): `chunked` under torch.compile (compile time is reported apart,
   not in the median). Dynamo unrolls the chunk loop: compile time grows with the chunks (on 2 CPU cores 23 s for 8
   chunks, 47 s for 32), and the issue-19 shapes have 64 to 128 (128 rows each), so it is opt-in.
@@ -68,7 +71,7 @@ from sft.training import loss as sft_loss
 SHAPES = {"qwen2.5-0.5b": "qwen/qwen2.5-0.5b", "llama-3.2-1b": "meta-llama/llama-3.2-1b",
           "llama-3.1-8b": "meta-llama/llama-3.1-8b"}
 VARIANTS = ("chunked", "chunked-128rows", "chunked-4x", "chunked-cast-add", "chunked-unpadded", "chunked-fused",
-            "chunked-compiled", "liger", "liger-all", "full-logits")
+            "chunked-fused-4x", "chunked-compiled", "liger", "liger-all", "full-logits")
 DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name != "chunked-compiled")
 WARMUP = 2
 
@@ -182,8 +185,8 @@ def build(name: str, case: Case) -> Callable:
         return chunked_cast_add(case)
     if name == "chunked-unpadded":
         return chunked_unpadded(case)
-    if name == "chunked-fused":
-        return chunked(case, fused=True)
+    if name.startswith("chunked-fused"):
+        return chunked(case, 4 if name.endswith("-4x") else 1, fused=True)
     if name == "chunked-compiled":
         return chunked(case, compiled=True)
     if name in ("liger", "liger-all"):
