@@ -66,6 +66,11 @@ DORA_BYTES = (8.0, 4.0, 12.0, 8.0)
 # written as several ops keeps more than its input (Model.activation_saved).
 NON_GATED_I_SAVING = 4.0
 NATIVE_ACTIVATION_BYTES = 2.0  # what a one-op activation (SwiGLU's SiLU, GELU) keeps an element: its bf16 input
+# A full fine-tune of float32 weights under 16-bit autocast (the shipped full recipes: float32 masters, bf16 compute),
+# one GPU or DDP: the embedding hands every layer a float32 residual stream (bytes a token and hidden element beyond
+# LAYER_BYTES' bf16 one), and autocast's matmuls keep each weight's 16-bit copy (its cast cache holds every layer's
+# until the forward ends, checkpointed or not); the loss casts the head once. MemTracker, tests/test_plan.py.
+FLOAT32_RESIDUAL_BYTES = 10
 DDP_BUCKETS = 2 * 25 * 2 ** 20  # DDP's gradient buckets (25 MB, two in flight)
 OPTIMIZER_STATE_BYTES = {"adamw_bnb_8bit": 2, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 0, "adafactor": 0}
 
@@ -247,14 +252,25 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
     # eager keeps each head's T x T probabilities: float32 and bf16 copy
     if (model.attention if model else config.attn_implementation) == "eager":
         layer += tokens * setup.max_length * text.num_attention_heads * EAGER_SCORE_BYTES * scale
-    residual = 4 if mix == "qlora" else 2 * scale  # k-bit preparation keeps the residual in float32
+    upcast = float32_under_autocast(config, setup, model)
+    layer += tokens * FLOAT32_RESIDUAL_BYTES * h if upcast else 0
+    residual = 4 if mix == "qlora" or upcast else 2 * scale  # k-bit preparation keeps the residual in float32
     saved = text.num_hidden_layers * (tokens * residual * h if setup.checkpointing else layer)
+    saved += text.num_hidden_layers * model.layer_bytes // 2 if upcast else 0  # the layers' 16-bit weight copies
     head = head_bytes(config, arch, setup, tokens, head_trainable)
+    head += text.vocab_size * h * 2 if upcast and head_rows(text.vocab_size) == text.vocab_size else 0
     backward = layer + tokens * BACKWARD_I_BYTES * i * scale if setup.checkpointing and setup.method != "full" else 0
     if config.use_dora and setup.method != "full":  # each layer's forward, the recomputed one's too
         backward += dora_norm_bytes(h, i, grad=True)
     # the last layer's backward (recomputed under checkpointing) runs after the loss's buffers are freed
     return {"activations": saved + tokens * residual * h * 3, "lm head / loss": max(head, backward)}
+
+
+def float32_under_autocast(config: SFTConfig, setup: Setup, model: Model | None) -> bool:
+    """Whether a full fine-tune trains float32 weights under bf16/fp16 autocast on one GPU or DDP (FSDP and DeepSpeed
+    compute with 16-bit weights of their own)."""
+    return bool(model and setup.method == "full" and setup.preset in ("single", "ddp") and (config.bf16 or config.fp16)
+                and model.trainable_bytes == 4 * model.trainable)
 
 
 def dora_norm_bytes(h: int, i: int, grad: bool) -> int:
