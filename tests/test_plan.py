@@ -295,15 +295,17 @@ def test_torch_compile_savings_apply_only_where_sft_compiles_blocks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("method,checkpointing,micro,compiled", [
-    ("full", False, 1, None), ("full", True, 4, None), ("lora", False, 2, None), ("lora", True, 8, None),
-    ("full", False, 4, 0.8)])
-def test_planner_within_10_percent_of_cuda_max_memory_allocated(method, checkpointing, micro, compiled):
+@pytest.mark.parametrize("method,checkpointing,micro,compiled,dtype", [
+    ("full", False, 1, None, "bfloat16"), ("full", True, 4, None, "bfloat16"), ("lora", False, 2, None, "bfloat16"),
+    ("lora", True, 8, None, "bfloat16"), ("full", False, 4, 0.8, "bfloat16"), ("full", True, 4, None, "float32")])
+def test_planner_within_10_percent_of_cuda_max_memory_allocated(method, checkpointing, micro, compiled, dtype):
     """Qwen2.5-0.5B shape (random weights), two real optimizer steps on the GPU; `compiled`: torch_compile's blocks
-    (inductor) with that activation_memory_budget."""
+    (inductor) with that activation_memory_budget; float32: the shipped full recipe's float32 weights under bf16
+    autocast."""
     arch = known_config("Qwen/Qwen2.5-0.5B")
     extra = {"torch_compile": True, "activation_memory_budget": compiled} if compiled else {}
-    config = load_recipe(recipe("Qwen/Qwen2.5-0.5B", method, micro, 2048, checkpointing, **extra))
+    extra["dtype"] = dtype
+    config = load_recipe(recipe("Qwen/Qwen2.5-0.5B", method, micro, 2048, checkpointing) | extra)
     setup = planner.setup_of(config, 1, 1)
     parts = memory.memory_breakdown(config, arch, setup, planner.model_facts(config, arch, setup.method))
     torch.cuda.reset_peak_memory_stats()
@@ -317,7 +319,7 @@ def test_planner_within_10_percent_of_cuda_max_memory_allocated(method, checkpoi
         train_steps(model, optimizer, config, arch.vocab_size, "cuda")
     measured = torch.cuda.max_memory_allocated() - start
     planned = memory.train_peak(parts, setup)
-    print(f"{method} checkpointing={checkpointing} micro={micro} compiled={compiled}: planned "
+    print(f"{method} {dtype} checkpointing={checkpointing} micro={micro} compiled={compiled}: planned "
           f"{planned / 2 ** 30:.2f} GiB, max_memory_allocated {measured / 2 ** 30:.2f} GiB "
           f"({100 * (planned / measured - 1):+.1f}%)")
     assert abs(planned / measured - 1) <= 0.10
