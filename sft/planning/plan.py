@@ -167,17 +167,16 @@ def model_facts(config: SFTConfig, arch: PretrainedConfig, method: str) -> Model
                        "`sft check` to validate the recipe.")
     half_bytes = weight_bytes - _bytes(model) + _bytes(model, half=True)
     text = text_config(arch)
-    projections = [layer_projections(layer, text) for layer in layers]
-    gated = any(g for _, g in projections)
+    widths, gates = zip(*(layer_projections(layer, text) for layer in layers))
     return Model(weight_bytes=weight_bytes, half_bytes=half_bytes, trainable=sum(p.numel() for p in trainable),
                  trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
-                 matmul_params=matmul_params(text, gated), layer_bytes=max(_bytes(layer) for layer in layers),
+                 matmul_params=matmul_params(text, any(gates)), layer_bytes=max(_bytes(layer) for layer in layers),
                  layer_half_bytes=max(_bytes(layer, half=True) for layer in layers),
                  layer_merged_bytes=max(_merged_bytes(layer) for layer in layers),
                  layer_dora_bytes=max(_merged_bytes(layer, dora=True) for layer in layers),
                  # fewer norms than Llama's two (Phi-2's one) are planned as two: an upper bound
                  extra_norm_width=max(0, max(norm_width(layer, text) for layer in layers) - 2 * text.hidden_size),
-                 fused_qkv_width=max(w for w, _ in projections), gated_mlp=gated,
+                 fused_qkv_width=max(widths), gated_mlp=any(gates),
                  activation_saved=activation_saved_bytes(hidden_act(text)),
                  attention=unwrapped(model).config._attn_implementation)
 
