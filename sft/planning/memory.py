@@ -387,6 +387,10 @@ def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, 
     copy = padded * h * 2 if padded != vocab else 0
     cast = vocab * h * 2 if mix == "qlora" and not copy else 0
     head = tokens * 2 * h * 2 * scale + tokens * 8 + copy + max(rows * vocab * 8, rows * padded * 2 + cast)
-    # autocast keeps its bf16 copy of every float32 adapter weight until the forward ends
+    # autocast keeps its bf16 copy of every float32 adapter weight until the forward ends, and of every layer's
+    # weights where a full fine-tune's are float32 (FLOAT32_RESIDUAL_BYTES), whose last hidden state is float32 too
     adapters = 2 * model.trainable if setup.method != "full" and scale == 1 else 0
+    if float32_under_autocast(config, setup, model):
+        adapters += arch.num_hidden_layers * model.layer_bytes // 2
+        head += tokens * 2 * h * 2
     return int(max(decoder, head) + adapters)
