@@ -98,7 +98,7 @@ def test_blocking_puts_back_the_blocking_batch_copies_and_the_others_get_sft_s_q
 
     from sft.training.recipe import load_recipe
 
-    base, settings = tool_settings("sft-varlen-compile-blocking")
+    _, settings = tool_settings("sft-varlen-compile-blocking")
     assert settings["accelerator_config"] == {"non_blocking": False}
     recipe = {"output_dir": "/tmp/unused", "dataloader_pin_memory": True, "report_to": "none"}
     assert load_recipe(recipe | settings).accelerator_config.non_blocking is False

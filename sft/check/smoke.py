@@ -32,10 +32,10 @@ from sft.models.families import NON_TEXT_CONFIGS, VARLEN, guess_model_type
 from sft.models.hub import local_files_only
 from sft.models.loading import (
     attention_on_a_gpu,
+    check_varlen,
     generation_eos,
     recipe_architecture,
     tokenizer_mismatch,
-    with_attention,
 )
 from sft.training.catalog import shipped
 from sft.training.flows import fitted_max_length
@@ -134,7 +134,7 @@ def tiny_recipe(path: str, flags: list[str] | None, folder: Path) -> tuple[SFTCo
     real = real_architecture(config)
     if real is not None:  # the tiny stand-in has positions of its own: the real model must have max_length
         fitted_max_length(config, real)
-        with_attention(config, real)  # as sft train: an explicit varlen the real model's attention defeats is refused
+        check_varlen(config, real)  # as sft train does: its smoke run swaps varlen for sdpa
     report = CheckReport(recipe=str(path), gpu_attention=attention_on_a_gpu(config, real) if real else "")
     overrides = cpu_overrides(config, report, folder)
     overrides.update(sample_data(config, report))

@@ -185,12 +185,7 @@ def with_attention(config: SFTConfig, model_config: PretrainedConfig | None) -> 
     CUDA GPU in 16-bit, else transformers' default). A copy where it changes; the choice is logged."""
     if model_config is None or model_config.is_encoder_decoder:
         return config
-    if config.attn_implementation == VARLEN:
-        problem = varlen_problem(model_config, config.max_length)
-        if problem:
-            raise SFTError(f"attn_implementation {VARLEN} cannot run this {model_config.model_type} model: it "
-                           f"{problem}. Use attn_implementation: sdpa.")
-        return config
+    check_varlen(config, model_config)
     if config.attn_implementation or not packed_batches(config):
         return config
     choice, why = fastest_attention(model_config, config.device if config.on_cuda else None,
@@ -202,6 +197,14 @@ def with_attention(config: SFTConfig, model_config: PretrainedConfig | None) -> 
     resolved = copy.copy(config)
     resolved.attn_implementation = choice
     return resolved
+
+
+def check_varlen(config: SFTConfig, model_config: PretrainedConfig) -> None:
+    """Refuse an explicit `varlen` the model's attention defeats (varlen_problem), before any weights load."""
+    problem = varlen_problem(model_config, config.max_length) if config.attn_implementation == VARLEN else None
+    if problem:
+        raise SFTError(f"attn_implementation {VARLEN} cannot run this {model_config.model_type} model: it "
+                       f"{problem}. Use attn_implementation: sdpa.")
 
 
 def attention_on_a_gpu(config: SFTConfig, model_config: PretrainedConfig) -> str:

@@ -11,6 +11,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from sft.models.attention import HALF
+
 # torch.amp's "CUDA Ops that can autocast to float32" (the Autocast Op Reference); in-place variants and calls with an
 # explicit dtype are not autocast, there or here.
 FLOAT32_OPS = frozenset({
@@ -21,7 +23,6 @@ FLOAT32_OPS = frozenset({
     "nll_loss", "norm", "normalize", "pdist", "poisson_nll_loss", "pow", "prod", "reciprocal", "rsqrt", "sinh",
     "smooth_l1_loss", "soft_margin_loss", "softmax", "softmin", "softplus", "sum", "renorm", "tan",
     "triplet_margin_loss"})
-LOWER = (torch.bfloat16, torch.float16)
 
 
 class CudaAutocastOnCpu(TorchFunctionMode):
@@ -37,4 +38,4 @@ class CudaAutocastOnCpu(TorchFunctionMode):
 
 def upcast(value: Any) -> Any:
     """A 16-bit floating tensor as float32; anything else as it is."""
-    return value.float() if isinstance(value, torch.Tensor) and value.dtype in LOWER else value
+    return value.float() if isinstance(value, torch.Tensor) and value.dtype in HALF else value

@@ -256,7 +256,7 @@ def activation_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, he
     layer += tokens * FLOAT32_RESIDUAL_BYTES * h if upcast else 0
     residual = 4 if mix == "qlora" or upcast else 2 * scale  # k-bit preparation keeps the residual in float32
     saved = text.num_hidden_layers * (tokens * residual * h if setup.checkpointing else layer)
-    saved += text.num_hidden_layers * model.layer_bytes // 2 if upcast else 0  # the layers' 16-bit weight copies
+    saved += autocast_weight_copies(config, setup, model, text)
     head = head_bytes(config, arch, setup, tokens, head_trainable)
     head += text.vocab_size * h * 2 if upcast and head_rows(text.vocab_size) == text.vocab_size else 0
     backward = layer + tokens * BACKWARD_I_BYTES * i * scale if setup.checkpointing and setup.method != "full" else 0
@@ -271,6 +271,11 @@ def float32_under_autocast(config: SFTConfig, setup: Setup, model: Model | None)
     compute with 16-bit weights of their own)."""
     return bool(model and setup.method == "full" and setup.preset in ("single", "ddp") and (config.bf16 or config.fp16)
                 and model.trainable_bytes == 4 * model.trainable)
+
+
+def autocast_weight_copies(config: SFTConfig, setup: Setup, model: Model | None, text: PretrainedConfig) -> int:
+    """The 16-bit copies of every decoder layer's float32 weights autocast's cast cache holds until a forward ends."""
+    return text.num_hidden_layers * model.layer_bytes // 2 if float32_under_autocast(config, setup, model) else 0
 
 
 def dora_norm_bytes(h: int, i: int, grad: bool) -> int:
@@ -390,7 +395,6 @@ def chunked_eval_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, 
     # autocast keeps its bf16 copy of every float32 adapter weight until the forward ends, and of every layer's
     # weights where a full fine-tune's are float32 (FLOAT32_RESIDUAL_BYTES), whose last hidden state is float32 too
     adapters = 2 * model.trainable if setup.method != "full" and scale == 1 else 0
-    if float32_under_autocast(config, setup, model):
-        adapters += arch.num_hidden_layers * model.layer_bytes // 2
-        head += tokens * 2 * h * 2
-    return int(max(decoder, head) + adapters)
+    copies = autocast_weight_copies(config, setup, model, arch)
+    head += tokens * 2 * h * 2 if copies else 0
+    return int(max(decoder, head) + adapters + copies)
