@@ -160,7 +160,8 @@ def test_an_unset_attention_is_varlen_for_packed_bf16_batches_on_gpu():
 @pytest.mark.parametrize("model_type", ["llama", "gpt_neox", "starcoder2", "phi"])
 def test_the_cpu_simulated_layer_keeps_what_the_gpu_keeps(model_type):
     """sft plan's simulated step acts out CUDA's autocast on the CPU (LayerNorm and gelu_new's pow in float32): a
-    decoder layer keeps the same bytes a token, by dtype and width, here and on the GPU."""
+    decoder layer keeps the same bytes a token, by dtype and width, here and on the GPU (an H100 matched all four
+    families, and kept an int64 pair of 0-dim tensors more, 2026-11-27)."""
     from test_cuda_autocast import SMALL
     from test_plan import family_config, recipe
 
@@ -171,7 +172,10 @@ def test_the_cpu_simulated_layer_keeps_what_the_gpu_keeps(model_type):
     arch = family_config(dict(model_type=model_type), **SMALL)
     cpu, gpu = saved_per_layer(config, arch, 256, "cpu"), saved_per_layer(config, arch, 256, "cuda")
     print(model_type, "cpu", cpu, "gpu", gpu)
-    assert cpu == gpu
+    per_token = {key: nbytes for key, nbytes in gpu.items() if key[1]}
+    assert cpu == per_token
+    # and nothing else but 0-dim tensors (the flash kernel's random-state pair, 16 bytes a layer at any length)
+    assert sum(gpu.values()) - sum(per_token.values()) <= 16 / 256
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
