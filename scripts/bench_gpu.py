@@ -38,7 +38,6 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 # torch_compile; "trl-flex" is TRL with flex_attention. Ratios are `sft/<tool>` (below 1: the tool is faster than sft's
 # default), and the best sft and trl runs of a job are compared as well.
 BASES = ("sft", "trl", "plain", "sft_syncs")
-PEFT_ADD = "peft_lora_forward"  # not a recipe key: sft_trainer takes it out
 MODIFIERS = {
     # sft runs sdpa and its chunked loss; varlen: torch's varlen_attn (CUDA only) on flattened packed rows; flex:
     # transformers' BlockMask from position_ids; liger: Liger's fused linear cross-entropy at the trained positions
@@ -46,15 +45,14 @@ MODIFIERS = {
     # compile): activation_memory_budget 0.8, elementwise ops recomputed in the backward instead of kept (0.67x
     # Liger's activations per layer, scripts/bench_activations.py; the same matmuls); autotune (with compile):
     # inductor benchmarks its Triton GEMM templates against cuBLAS per shape (max-autotune, without CUDA graphs), for
-    # the 0.5B shape's hidden-896 GEMMs, which cuBLAS ran far below the peak (BENCHMARKS.md); peftadd (LoRA): peft's
-    # own LoRA forward, its scaling and add as separate passes (sft.models.lora_layers adds inside lora_B's addmm);
+    # the 0.5B shape's hidden-896 GEMMs, which cuBLAS ran far below the peak (BENCHMARKS.md);;
     # fusedloss: loss_kernel fused, the chunked loss's softmax and gradient compiled into fused kernels; blocking:
     # batches copied to the GPU with blocking copies (sft's default before the sixth session: the GPU idled while
     # the next batch was collated).
     "sft": {"varlen": {"attn_implementation": "varlen"}, "flex": {"attn_implementation": "flex_attention"},
             "liger": {"loss_kernel": "liger"}, "compile": {"torch_compile": True},
             "budget": {"activation_memory_budget": 0.8},
-            "autotune": {"torch_compile_mode": "max-autotune-no-cudagraphs"}, "peftadd": {PEFT_ADD: True},
+            "autotune": {"torch_compile_mode": "max-autotune-no-cudagraphs"},
             "fusedloss": {"loss_kernel": "fused"}, "blocking": {"accelerator_config": {"non_blocking": False}}},
     # trl on sdpa flattens each padding-free batch into one row, so sdpa gets one [T, T] block mask over the whole
     # batch (8 x 2048 tokens: 16,384^2, no block skipped); flex: transformers' BlockMask skips the blocks between
@@ -372,10 +370,6 @@ def sft_trainer(spec: dict, callback, extra: dict | None = None):
     if peft:
         recipe |= {"lora_r": LORA["r"], "lora_alpha": LORA["alpha"], "lora_dropout": LORA["dropout"]}
     settings = dict(spec.get("settings", {}))
-    if settings.pop(PEFT_ADD, False):
-        import sft.models.adapters
-
-        sft.models.adapters.fuse_adapter_add = lambda model: 0
     config = load_recipe(recipe | settings | (extra or {}))
     tokenizer = load_tokenizer(config)
     train, _ = prepare_splits(config, tokenizer)

@@ -80,13 +80,6 @@ def test_profiled_kernels_are_sorted_by_kind_from_their_names():
     assert {name: kernel_kind(name) for name in kinds} == kinds
 
 
-def test_peftadd_runs_peft_s_own_lora_forward_and_is_no_recipe_key():
-    from bench_gpu import PEFT_ADD
-
-    assert tool_settings("sft-varlen-peftadd") == ("sft", {"attn_implementation": "varlen", PEFT_ADD: True})
-    assert PEFT_ADD not in SFTConfig.__dataclass_fields__
-
-
 def test_fusedloss_is_the_fused_loss_kernel():
     assert tool_settings("sft-varlen-compile-fusedloss") == (
         "sft", {"attn_implementation": "varlen", "torch_compile": True, "loss_kernel": "fused"})

@@ -28,7 +28,6 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
 from sft.models.families import non_text_towers
-from sft.models.lora_layers import fuse_adapter_add
 from sft.models.precision import adapter_inputs_as_they_come, upcast_trained_copies, upcasts_quantized_base
 
 log = logging.getLogger(__name__)
@@ -141,7 +140,6 @@ def add_adapter(model: PreTrainedModel, config: SFTConfig, new_token_ids: list[i
     if quantized:
         upcast_trained_copies(peft_model)
     adapter_inputs_as_they_come(peft_model)
-    fuse_adapter_add(peft_model)
     if new_rows:
         save_new_rows_only(peft_model)
     # adapter_config.json names the base; a local one by absolute path, so merge/generate work from any folder
@@ -332,7 +330,6 @@ def load_trained_adapter(model: PreTrainedModel, folder: str | Path, config: SFT
     if quantized:
         upcast_trained_copies(peft_model)
     adapter_inputs_as_they_come(peft_model)
-    fuse_adapter_add(peft_model)
     if peft_model.peft_config["default"].trainable_token_indices:
         save_new_rows_only(peft_model)
     log_trainable_parameters(peft_model)
