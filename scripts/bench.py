@@ -49,10 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu.add_argument("--tools", help="default: sft,trl,plain for --model, each job's own list for --suite (its "
                      "likeliest-fastest runs first). Comma-separated: a base (sft, trl, plain, sft_syncs: "
                      "sft with 4 host syncs per micro-step put back) and '-'-joined modifiers: sft-varlen|flex|liger|"
-                     "compile|budget|autotune|fusedloss (attn_implementation varlen, CUDA only, or "
+                     "compile|budget|autotune|fusedloss|eagerloss (attn_implementation varlen, CUDA only, or "
                      "flex_attention; Liger's fused linear cross-entropy; torch_compile; with compile: "
-                     "activation_memory_budget 0.8, torch_compile_mode max-autotune-no-cudagraphs; peft's own LoRA "
-                     "forward; loss_kernel fused), trl-flex|compile; "
+                     "activation_memory_budget 0.8, torch_compile_mode max-autotune-no-cudagraphs; loss_kernel fused "
+                     "(auto's choice on CUDA) or chunked), trl-flex|compile; "
                      "e.g. sft-varlen-compile-budget,trl-flex")
     gpu.add_argument("--liger", choices=("auto", "off"), default="auto", help="trl: use_liger_kernel where it imports")
     gpu.add_argument("--vocab_rows", choices=("config", "tokenizer"), default="config",

@@ -84,6 +84,7 @@ def test_fusedloss_is_the_fused_loss_kernel():
     assert tool_settings("sft-varlen-compile-fusedloss") == (
         "sft", {"attn_implementation": "varlen", "torch_compile": True, "loss_kernel": "fused"})
     assert "fused" in SFTConfig.__dataclass_fields__["loss_kernel"].metadata["choices"]
+    assert tool_settings("sft-varlen-eagerloss") == ("sft", {"attn_implementation": "varlen", "loss_kernel": "chunked"})
 
 
 def test_blocking_puts_back_the_blocking_batch_copies_and_the_others_get_sft_s_queued_ones():

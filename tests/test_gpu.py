@@ -260,10 +260,24 @@ def test_liger_loss_kernel_equals_the_chunked_loss_in_bf16_on_gpu(smoothing):
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
 def test_trainer_with_loss_kernel_liger_trains_as_the_chunked_loss_on_gpu(tmp_path, tokenizer,
                                                                          count_chunked):  # noqa: F811
-    chunked, _ = losses(tmp_path, tokenizer, bf16=True, label_smoothing_factor=0.1)
+    chunked, _ = losses(tmp_path, tokenizer, bf16=True, label_smoothing_factor=0.1, loss_kernel="chunked")
     fused, calls = losses(tmp_path, tokenizer, bf16=True, label_smoothing_factor=0.1, loss_kernel="liger")
     assert calls == [("LlamaForCausalLM", 1)] * 2  # the chunked forward computed each step's loss, with Liger
     assert fused == pytest.approx(chunked, rel=1e-3)
+
+
+def test_auto_loss_kernel_trains_with_the_fused_step_as_the_eager_one_on_gpu(tmp_path, tokenizer,
+                                                                           count_chunked):  # noqa: F811
+    """On this GPU `loss_kernel: auto` is the fused chunk step (Triton), and trains as the eager step does."""
+    from sft.training.loss import fused_step_runs
+
+    assert fused_step_runs(torch.device("cuda", torch.cuda.current_device()))
+    eager, _ = losses(tmp_path, tokenizer, bf16=True, label_smoothing_factor=0.1, loss_kernel="chunked")
+    torch._dynamo.reset()
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    auto, calls = losses(tmp_path, tokenizer, bf16=True, label_smoothing_factor=0.1)
+    assert calls == [("LlamaForCausalLM", 1)] * 2 and torch._dynamo.utils.counters["frames"]["ok"] > frames
+    assert auto == pytest.approx(eager, rel=1e-3)
 
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float16, False), (torch.float32, True)],

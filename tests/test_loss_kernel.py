@@ -4,7 +4,8 @@ cannot run. Liger needs Triton and CUDA, so these CPU tests put a reference of t
 (the real kernel is checked in tests/test_gpu.py).
 
 `loss_kernel: fused`: sft's chunked loss with each chunk's softmax and gradient compiled by inductor (CPU inductor
-here, Triton on a GPU), equal to the eager chunk step."""
+here, Triton on a GPU), equal to the eager chunk step; `loss_kernel: auto` runs it on a CUDA GPU with Triton, the
+eager step elsewhere."""
 
 import importlib.util
 import os
@@ -117,7 +118,7 @@ def train_losses(tmp_path, tokenizer, **flags):
 
 def test_trainer_with_liger_trains_as_the_chunked_loss(tmp_path, tokenizer, reference):
     chunked, chunked_trainer = train_losses(tmp_path, tokenizer, label_smoothing_factor=0.1)
-    assert chunked_trainer.token_loss.kernel == "chunked" and reference.calls == []  # auto is today's chunked loss
+    assert chunked_trainer.token_loss.kernel == "chunked" and reference.calls == []  # auto on CPU: the eager step
     fused, trainer = train_losses(tmp_path, tokenizer, label_smoothing_factor=0.1, loss_kernel="liger")
     assert trainer.token_loss.kernel == "liger"
     assert len(reference.calls) == 4  # 2 steps x 2 accumulated micro-batches
@@ -294,7 +295,37 @@ def test_a_fused_step_that_cannot_compile_says_what_to_do(monkeypatch):
     monkeypatch.setattr(lce, "compiled_logit_gradients", no_compiler)
     hidden, weight = torch.randn(4, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
     with pytest.raises(SFTError, match=r"loss_kernel: fused could not compile .*Failed to find C compiler.*Set "
-                                       r"loss_kernel: auto"):
+                                       r"loss_kernel: chunked"):
         lce.LinearCrossEntropy.apply(hidden, weight, torch.tensor([1, 2, 3, 4]), torch.tensor(4.0), 8, 0.0, True)
     assert lce.LinearCrossEntropy.apply(hidden, weight, torch.tensor([1, 2, 3, 4]), torch.tensor(4.0), 8, 0.0,
                                         False) > 0  # the eager step, the advice, runs
+
+
+@pytest.mark.parametrize("capability,triton,fused", [((9, 0), True, True), ((7, 0), True, True),
+                                                     ((6, 1), True, False), ((9, 0), False, False)])
+def test_auto_runs_the_fused_step_on_a_cuda_gpu_with_triton(monkeypatch, capability, triton, fused):
+    """Where inductor has Triton for the GPU (compute capability 7.0 or newer); the index asked is the run's own
+    device (under torchrun each rank's)."""
+    import torch.utils._triton
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or capability)
+    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: triton)
+    assert sft.training.loss.fused_step_runs(torch.device("cuda", 1)) is fused
+    assert asked in ([1], [])
+    assert sft.training.loss.fused_step_runs("cpu") is False
+
+
+def test_trainer_with_auto_on_a_gpu_trains_with_the_fused_step(tmp_path, tokenizer, monkeypatch):
+    """The Trainer's `loss_kernel: auto` where fused_step_runs (a GPU's answer, patched here: the step itself runs
+    under CPU bf16 autocast) compiles the chunk step and trains as the eager one; where it does not (CPU), the eager
+    step runs (the control); a model without the chunked loss keeps its own under auto."""
+    chunked, eager = train_losses(tmp_path, tokenizer, label_smoothing_factor=0.1, bf16=True, use_cpu=True)
+    assert eager.token_loss.kernel == "chunked"
+    monkeypatch.setattr(sft.training.loss, "fused_step_runs", lambda device: True)
+    torch._dynamo.reset()
+    frames = compiled_frames()
+    fused, trainer = train_losses(tmp_path, tokenizer, label_smoothing_factor=0.1, bf16=True, use_cpu=True)
+    assert trainer.token_loss.kernel == "fused" and compiled_frames() > frames
+    assert fused == pytest.approx(chunked, abs=1e-3)
+    assert TokenLoss(torch.nn.Linear(2, 2), True, 0.0, "auto", "cuda").kernel == "model"

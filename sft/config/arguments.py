@@ -110,9 +110,9 @@ class SFTConfig(Seq2SeqTrainingArguments):
                              "linear-cross-entropy), fused (the same with each chunk's softmax and gradient compiled "
                              "by inductor into fused kernels: fewer passes over the logits, a compile of a few "
                              "seconds at the first step), liger (Liger's fused linear cross-entropy: needs "
-                             "liger-kernel and a CUDA GPU; same loss, normalisation and label smoothing) or auto, "
-                             "which is chunked until GPU measurements show where another is faster and exact. Eval "
-                             "always uses sft's own.", "auto", choices=LOSS_KERNELS)
+                             "liger-kernel and a CUDA GPU; same loss, normalisation and label smoothing) or auto: "
+                             "fused on a CUDA GPU with Triton (measured faster there: 25 vs 45 ms for a Qwen2.5-0.5B "
+                             "head on an H100, Liger's 106), chunked elsewhere. Eval always uses sft's own.", "auto", choices=LOSS_KERNELS)
     activation_memory_budget: float | None = _help(
         "torch_compile only: the share of activation memory the compiler keeps for the backward (torch's "
         "activation_memory_budget; unset: 1, torch's default). Below 1 it recomputes the cheapest ops in the backward "

@@ -175,7 +175,7 @@ def fused_logit_gradients(hidden: torch.Tensor, head: torch.Tensor, targets: tor
     except (BackendCompilerFailed, InductorError) as error:
         cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
         raise SFTError(f"loss_kernel: fused could not compile its chunk step with torch.compile ({cause}). It needs "
-                       "a working C/C++ compiler on CPU, Triton on a GPU. Set loss_kernel: auto to train with sft's "
+                       "a working C/C++ compiler on CPU, Triton on a GPU. Set loss_kernel: chunked to train with sft's "
                        "eager chunk step (the same loss).") from None
 
 

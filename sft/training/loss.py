@@ -6,7 +6,8 @@ its decoder, then the head only at positions whose next token is trained, chunk 
 forward (sft.training.linear_cross_entropy, the kernel).
 
 `loss_kernel: fused` runs LinearCrossEntropy with each chunk's softmax and gradient compiled by inductor into fused
-kernels (the same loss, within float32 rounding). `loss_kernel: liger` hands the same trained rows to Liger's fused
+kernels (the same loss, within float32 rounding); `loss_kernel: auto` runs it on a CUDA GPU (measured faster there),
+the eager step elsewhere. `loss_kernel: liger` hands the same trained rows to Liger's fused
 linear cross-entropy (Triton, CUDA only) instead of LinearCrossEntropy: summed, divided by the same normaliser, with
 the same label smoothing formula, fp32 weight-gradient accumulation as here, no z-loss and no softcap. Eval always
 uses sft's own chunked token losses.
@@ -173,6 +174,20 @@ def liger_linear_cross_entropy(device: torch.device) -> Callable:
     return liger_fused_linear_cross_entropy
 
 
+def fused_step_runs(device: torch.device | str) -> bool:
+    """Whether `loss_kernel: auto` runs the chunked loss's fused (compiled) chunk step on `device`: a CUDA GPU where
+    inductor has Triton for it (compute capability 7.0 or newer). On an H100 the Qwen2.5-0.5B head's loss, forward and
+    backward at half of 8 x 2048 rows trained, took 25.1 ms fused and 44.7 ms eager, Liger's 106.3, and the whole step
+    ran 6.6% faster (BENCHMARKS.md); on CPU the fused step was slower (37 vs 27 ms, `bench_loss.py --small`)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    from torch.utils._triton import has_triton_package
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return has_triton_package() and torch.cuda.get_device_capability(index)[0] >= 7
+
+
 # Under torch_compile the model's forward is compiled, and this loss with it unless kept out: dynamo unrolls the
 # chunk loop, so compile time grows with the chunk count (32 chunks of a tiny Llama on CPU: first step 74 s compiled
 # in, 13 s kept out; 64-128 chunks at 0.5B-8B shapes and 8 x 2048 tokens), while each chunk is matmuls and an exp
@@ -219,17 +234,18 @@ class TokenLoss:
     label smoothing itself: transformers' LabelSmoother would need the full logits), computed by sft's
     LinearCrossEntropy (kernel "fused": with its compiled chunk step) or, with kernel "liger", Liger's fused linear
     cross-entropy; the step-normalised decoder loss for encoder-decoder training, which applies label smoothing too.
-    Kernel "auto" is sft's own, eager."""
+    Kernel "auto" is the fused step where fused_step_runs, else the eager one ("chunked")."""
 
     def __init__(self, model: nn.Module, chunked: bool, label_smoothing: float, kernel: str = "auto",
                  device: torch.device | str = "cpu") -> None:
         liger = liger_linear_cross_entropy(device) if kernel == "liger" else None
-        self.chunked = chunked and attach_chunked_loss(model, label_smoothing, liger, fused=kernel == "fused")
+        fused = kernel == "fused" or kernel == "auto" and fused_step_runs(device)
+        self.chunked = chunked and attach_chunked_loss(model, label_smoothing, liger, fused=fused)
         if kernel in CHUNKED_LOSS_KERNELS and not self.chunked:
             raise SFTError(f"loss_kernel: {kernel} computes the chunked loss, which needs chunked_loss: true and a "
                            f"causal LM with a plain linear output head ({type(unwrapped(model)).__name__} here). "
                            "Set loss_kernel: auto.")
-        self.kernel = kernel if kernel in CHUNKED_LOSS_KERNELS else "chunked" if self.chunked else "model"
+        self.kernel = "model" if not self.chunked else "liger" if liger else "fused" if fused else "chunked"
         self.smoothing = label_smoothing
         self.encoder_decoder = bool(getattr(getattr(unwrapped(model), "config", None), "is_encoder_decoder", False))
 
