@@ -1,23 +1,29 @@
-"""What is live at a GPU's memory peak in sft plan's simulated step: the allocations torch's allocator holds at the
-peak of two real optimizer steps, by the source line that made them (the planner's tests compare only totals).
+"""What is live at the memory peak of sft plan's simulated step, by the source line that made it (the planner's
+tests compare only totals). On a GPU: the allocations torch's allocator holds at the peak of two real optimizer
+steps. On a CPU: the step `sft plan --trace` simulates (fake tensors, CUDA's autocast and dropout acted out), each
+new storage charged to the line or the autograd node that made it; the two listings side by side show where the
+simulation and the GPU part.
 
     python scripts/gpu_peak.py --model Qwen/Qwen2.5-0.5B --method full --micro 1
     python scripts/gpu_peak.py --model Qwen/Qwen2.5-0.5B --method full --micro 4 --budget 0.8   # compiled blocks
-
-On a CPU machine it prints the simulated step's peak (MemTracker) and stops: the allocator's history needs CUDA.
 """
 
 import argparse
 import collections
 import os
+import traceback
+import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from sft.models.architectures import known_config
 from sft.models.compilation import compile_blocks
 from sft.planning import memory
 from sft.planning import plan as planner
-from sft.planning.memtrace import build_model, trace_step, train_steps
+from sft.planning.memtrace import build_model, materialize, train_steps
 from sft.training.recipe import load_recipe
 
 GIB = 2 ** 30
@@ -36,12 +42,56 @@ def arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
+ACTING_OUT = (f"{os.sep}torch{os.sep}", "cuda_autocast.py")  # torch, and the simulation's own dispatch
+
+
 def site(frames: list[dict]) -> str:
     """The innermost frame outside torch itself: the line of sft, transformers or peft that allocated."""
     for frame in frames:
-        if f"{os.sep}torch{os.sep}" not in frame["filename"]:
+        if not any(part in frame["filename"] for part in ACTING_OUT):
             return f"{frame['filename'].rsplit(os.sep, 2)[-1]}:{frame['line']} {frame['name']}"
     return frames[0]["name"] if frames else "?"
+
+
+class StorageEvents(TorchDispatchMode):
+    """Each new storage an operator makes (its bytes and where: the autograd node in backward, else the first line
+    outside torch) and each storage freed, as the allocator's history records them on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events, self.seen = [], set()
+
+    def free(self, key: int) -> None:
+        self.events.append({"action": "free_requested", "addr": key})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor) or id(tensor.untyped_storage()) in self.seen:
+                continue
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            self.seen.add(key)
+            weakref.finalize(storage, self.free, key)
+            weakref.finalize(storage, self.seen.discard, key)
+            node = torch._C._current_autograd_node()
+            frames = ([{"filename": "autograd", "line": 0, "name": node.name()}] if node is not None else
+                      [{"filename": f.filename, "line": f.lineno, "name": f.name}
+                       for f in reversed(traceback.extract_stack()[:-1])])
+            self.events.append({"action": "alloc", "addr": key, "size": storage.nbytes(), "frames": frames})
+        return out
+
+
+def simulated_events(config, arch) -> tuple[list[dict], int]:
+    """The CPU-simulated step's storage events, and the bytes of the weights made before it."""
+    model = build_model(config, arch, "meta")
+    with FakeTensorMode():
+        materialize(model)
+        weights = sum({id(t): t.nbytes for t in [*model.parameters(), *model.buffers()]}.values())
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
+        with StorageEvents() as recorder:
+            train_steps(model, optimizer, config, arch.get_text_config().vocab_size, "cpu")
+    return recorder.events, weights
 
 
 def live_at_peak(events: list[dict]) -> tuple[int, dict[int, dict], dict]:
@@ -63,6 +113,19 @@ def live_at_peak(events: list[dict]) -> tuple[int, dict[int, dict], dict]:
     return peak, replay(at + 1)[2], events[at]
 
 
+def gpu_events(config, arch, budget: float | None) -> tuple[list[dict], int]:
+    """The allocator's history of two real optimizer steps on the GPU, the model built inside it."""
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    model = build_model(config, arch, "cuda")
+    if budget:
+        compile_blocks(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
+    train_steps(model, optimizer, config, arch.get_text_config().vocab_size, "cuda")
+    events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return events, 0
+
+
 def main() -> None:
     args = arguments()
     values = dict(model_name_or_path=args.model, dataset="unused.json", output_dir="unused", dtype=args.dtype, bf16=True,
@@ -75,21 +138,15 @@ def main() -> None:
     parts = memory.memory_breakdown(config, arch, setup, planner.model_facts(config, arch, setup.method))
     print(f"planned {memory.train_peak(parts, setup) / GIB:.3f} GiB:",
           ", ".join(f"{k} {v / GIB:.3f}" for k, v in parts.items() if v))
-    if not torch.cuda.is_available():
-        print(f"simulated step (CPU, MemTracker): {trace_step(config, arch).peak / GIB:.3f} GiB")
-        return
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-    model = build_model(config, arch, "cuda")
-    if args.budget:
-        compile_blocks(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
     with torch._functorch.config.patch(activation_memory_budget=args.budget or 1.0):
-        train_steps(model, optimizer, config, arch.get_text_config().vocab_size, "cuda")
-    events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
-    torch.cuda.memory._record_memory_history(enabled=None)
+        if torch.cuda.is_available():
+            events, weights = gpu_events(config, arch, args.budget)
+            print(f"max_memory_allocated {torch.cuda.max_memory_allocated() / GIB:.3f} GiB")
+        else:
+            events, weights = simulated_events(config, arch)
     peak, live, last = live_at_peak(events)
-    print(f"max_memory_allocated {torch.cuda.max_memory_allocated() / GIB:.3f} GiB; replayed peak {peak / GIB:.3f} "
-          f"GiB, {len(live)} blocks live ({len(events)} events)")
+    print(f"peak {(peak + weights) / GIB:.3f} GiB ({weights / GIB:.3f} of weights made before the step), {len(live)} "
+          f"blocks live ({len(events)} events)")
     by_site = collections.defaultdict(lambda: [0, 0])
     for event in live.values():
         entry = by_site[site(event["frames"])]
@@ -98,7 +155,7 @@ def main() -> None:
     for name, (nbytes, count) in sorted(by_site.items(), key=lambda item: -item[1][0])[:args.top]:
         print(f"{nbytes / GIB:9.3f} GiB {count:6d}  {name}")
     print("the peak's allocation:", " <- ".join(site([frame]) for frame in last["frames"][:12]
-                                               if f"{os.sep}torch{os.sep}" not in frame["filename"]))
+                                               if not any(part in frame["filename"] for part in ACTING_OUT)))
 
 
 if __name__ == "__main__":
