@@ -301,19 +301,43 @@ def test_a_fused_step_that_cannot_compile_says_what_to_do(monkeypatch):
                                         False) > 0  # the eager step, the advice, runs
 
 
-@pytest.mark.parametrize("capability,triton,fused", [((9, 0), True, True), ((7, 0), True, True),
-                                                     ((6, 1), True, False), ((9, 0), False, False)])
-def test_auto_runs_the_fused_step_on_a_cuda_gpu_with_triton(monkeypatch, capability, triton, fused):
-    """Where inductor has Triton for the GPU (compute capability 7.0 or newer); the index asked is the run's own
-    device (under torchrun each rank's)."""
+@pytest.mark.parametrize("capability,triton,compiles,fused", [
+    ((9, 0), True, True, True), ((7, 0), True, True, True), ((6, 1), True, True, False), ((9, 0), False, True, False),
+    ((9, 0), True, False, False)])
+def test_auto_runs_the_fused_step_on_a_cuda_gpu_with_triton(monkeypatch, capability, triton, compiles, fused):
+    """Where inductor has Triton for the GPU (compute capability 7.0 or newer) and the step compiles there; the
+    device asked is the run's own (under torchrun each rank's)."""
     import torch.utils._triton
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or capability)
     monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: triton)
+    monkeypatch.setattr(sft.training.loss, "fused_step_compiles", lambda device: asked.append(device) or compiles)
     assert sft.training.loss.fused_step_runs(torch.device("cuda", 1)) is fused
-    assert asked in ([1], [])
+    assert asked in ([1, torch.device("cuda", 1)], [1], [])
     assert sft.training.loss.fused_step_runs("cpu") is False
+
+
+def test_auto_keeps_the_eager_step_where_the_fused_one_cannot_compile(monkeypatch, caplog):
+    """Triton needs the machine's C compiler (slim images lack one): auto then trains with the eager step and says
+    why, where an explicit `loss_kernel: fused` stops with the fix. The probe itself compiles where it can (CPU
+    inductor here)."""
+    from torch._inductor.exc import InductorError
+
+    probe = sft.training.loss.fused_step_compiles
+    probe.cache_clear()
+    assert probe(torch.device("cpu"))
+    probe.cache_clear()
+
+    def no_compiler(*args):
+        raise InductorError(RuntimeError("Failed to find C compiler. Please specify via CC environment variable"),
+                            None)
+
+    monkeypatch.setattr(sft.training.linear_cross_entropy, "compiled_logit_gradients", no_compiler)
+    with caplog.at_level("WARNING", logger="sft.training.loss"):
+        assert not probe(torch.device("cpu"))
+    assert "eager chunk step runs" in caplog.text and "Failed to find C compiler" in caplog.text
+    probe.cache_clear()
 
 
 def test_trainer_with_auto_on_a_gpu_trains_with_the_fused_step(tmp_path, tokenizer, monkeypatch):

@@ -14,6 +14,7 @@ uses sft's own chunked token losses.
 """
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,14 @@ from sft.data.encode import IGNORE_INDEX
 from sft.errors import SFTError
 from sft.models.adapters import head_layer, head_weight, unwrapped
 from sft.models.families import has_plain_head
-from sft.training.linear_cross_entropy import LinearCrossEntropy, chunk_rows, chunked_token_losses
+from sft.training.linear_cross_entropy import (
+    LinearCrossEntropy,
+    chunk_rows,
+    chunked_token_losses,
+    fused_logit_gradients,
+)
+
+log = logging.getLogger(__name__)
 
 
 def supports_chunked_loss(model: nn.Module) -> bool:
@@ -176,16 +184,34 @@ def liger_linear_cross_entropy(device: torch.device) -> Callable:
 
 def fused_step_runs(device: torch.device | str) -> bool:
     """Whether `loss_kernel: auto` runs the chunked loss's fused (compiled) chunk step on `device`: a CUDA GPU where
-    inductor has Triton for it (compute capability 7.0 or newer). On an H100 the Qwen2.5-0.5B head's loss, forward and
-    backward at half of 8 x 2048 rows trained, took 25.1 ms fused and 44.7 ms eager, Liger's 106.3, and the whole step
-    ran 6.6% faster (BENCHMARKS.md); on CPU the fused step was slower (37 vs 27 ms, `bench_loss.py --small`)."""
+    inductor has Triton for it (compute capability 7.0 or newer) and a tiny step compiles there. On an H100 the
+    Qwen2.5-0.5B head's loss, forward and backward at half of 8 x 2048 rows trained, took 25.1 ms fused and 44.7 ms
+    eager, Liger's 106.3, and the whole step ran 6.6% faster (BENCHMARKS.md); on CPU the fused step was slower (37 vs
+    27 ms, `bench_loss.py --small`)."""
     device = torch.device(device)
     if device.type != "cuda":
         return False
     from torch.utils._triton import has_triton_package
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return has_triton_package() and torch.cuda.get_device_capability(index)[0] >= 7
+    return (has_triton_package() and torch.cuda.get_device_capability(index)[0] >= 7
+            and fused_step_compiles(torch.device("cuda", index)))
+
+
+@functools.cache
+def fused_step_compiles(device: torch.device) -> bool:
+    """Whether the fused chunk step compiles and runs on `device` (Triton builds its launchers with the machine's C
+    compiler, which slim images lack): auto then keeps the eager step, saying why, instead of failing at the first
+    step as an explicit `loss_kernel: fused` does. About a second, once per process."""
+    hidden = torch.ones(2, 8, device=device, dtype=torch.bfloat16)
+    try:
+        fused_logit_gradients(hidden, torch.ones(16, 8, device=device, dtype=torch.bfloat16),
+                              torch.zeros(2, dtype=torch.long, device=device), 16, 0.0)
+    except SFTError as error:
+        log.warning("loss_kernel auto: the eager chunk step runs (the same loss), as the fused one cannot here: %s",
+                    error)
+        return False
+    return True
 
 
 # Under torch_compile the model's forward is compiled, and this loss with it unless kept out: dynamo unrolls the
