@@ -45,7 +45,7 @@ MODIFIERS = {
     # compile): activation_memory_budget 0.8, elementwise ops recomputed in the backward instead of kept (0.67x
     # Liger's activations per layer, scripts/bench_activations.py; the same matmuls); autotune (with compile):
     # inductor benchmarks its Triton GEMM templates against cuBLAS per shape (max-autotune, without CUDA graphs), for
-    # the 0.5B shape's hidden-896 GEMMs, which cuBLAS ran far below the peak (BENCHMARKS.md);;
+    # the 0.5B shape's hidden-896 GEMMs, which cuBLAS ran far below the peak (BENCHMARKS.md);
     # fusedloss: loss_kernel fused, the chunked loss's softmax and gradient compiled into fused kernels (auto's choice
     # on CUDA since the seventh session); eagerloss: loss_kernel chunked, the eager chunk step; blocking:
     # batches copied to the GPU with blocking copies (sft's default before the sixth session: the GPU idled while
@@ -54,7 +54,8 @@ MODIFIERS = {
             "liger": {"loss_kernel": "liger"}, "compile": {"torch_compile": True},
             "budget": {"activation_memory_budget": 0.8},
             "autotune": {"torch_compile_mode": "max-autotune-no-cudagraphs"},
-            "fusedloss": {"loss_kernel": "fused"}, "eagerloss": {"loss_kernel": "chunked"}, "blocking": {"accelerator_config": {"non_blocking": False}}},
+            "fusedloss": {"loss_kernel": "fused"}, "eagerloss": {"loss_kernel": "chunked"},
+            "blocking": {"accelerator_config": {"non_blocking": False}}},
     # trl on sdpa flattens each padding-free batch into one row, so sdpa gets one [T, T] block mask over the whole
     # batch (8 x 2048 tokens: 16,384^2, no block skipped); flex: transformers' BlockMask skips the blocks between
     # examples (TRL's best isolating attention where no flash-attn package is installed); compile: torch_compile.

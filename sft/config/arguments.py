@@ -112,7 +112,8 @@ class SFTConfig(Seq2SeqTrainingArguments):
                              "seconds at the first step), liger (Liger's fused linear cross-entropy: needs "
                              "liger-kernel and a CUDA GPU; same loss, normalisation and label smoothing) or auto: "
                              "fused on a CUDA GPU with Triton (measured faster there: 25 vs 45 ms for a Qwen2.5-0.5B "
-                             "head on an H100, Liger's 106), chunked elsewhere. Eval always uses sft's own.", "auto", choices=LOSS_KERNELS)
+                             "head on an H100, Liger's 106), chunked elsewhere. Eval always uses sft's own.", "auto",
+                             choices=LOSS_KERNELS)
     activation_memory_budget: float | None = _help(
         "torch_compile only: the share of activation memory the compiler keeps for the backward (torch's "
         "activation_memory_budget; unset: 1, torch's default). Below 1 it recomputes the cheapest ops in the backward "
