@@ -139,3 +139,20 @@ def test_the_clock_synchronises_the_gpu_only_where_it_reads_a_time(tmp_path, mon
         clock.on_step_end(None, None, None)
     assert synchronised == [1, WARMUP, WARMUP + steps, WARMUP + steps + PROFILED]
     assert len(record["ends"]) == WARMUP + steps + PROFILED
+
+
+def test_gpu_peak_replays_an_allocation_history_to_its_peak():
+    """scripts/gpu_peak.py: the blocks live at the highest allocated total (not the last one, not all ever made),
+    charged to the first frame outside torch."""
+    from gpu_peak import live_at_peak, site
+
+    def alloc(addr: int, size: int, filename: str = "/x/sft/a.py") -> dict:
+        return {"action": "alloc", "addr": addr, "size": size,
+                "frames": [{"filename": "/env/torch/nn/functional.py", "line": 1, "name": "linear"},
+                           {"filename": filename, "line": addr, "name": "forward"}]}
+
+    events = [alloc(1, 10), alloc(2, 5), {"action": "free_requested", "addr": 1}, alloc(3, 7),
+              {"action": "free_requested", "addr": 2}, alloc(4, 9)]
+    peak, live, last = live_at_peak(events)
+    assert peak == 16 and sorted(live) == [3, 4] and last["addr"] == 4
+    assert site(last["frames"]) == "a.py:4 forward"
