@@ -353,3 +353,28 @@ def test_trainer_with_auto_on_a_gpu_trains_with_the_fused_step(tmp_path, tokeniz
     assert trainer.token_loss.kernel == "fused" and compiled_frames() > frames
     assert fused == pytest.approx(chunked, abs=1e-3)
     assert TokenLoss(torch.nn.Linear(2, 2), True, 0.0, "auto", "cuda").kernel == "model"
+
+
+def test_sft_check_says_what_computes_the_loss_on_a_gpu(tmp_path, capsys, monkeypatch):
+    """Its smoke run on CPU runs the eager chunk step; the table says what a GPU run of the recipe computes: under
+    auto the fused chunk step, the recipe's kernel where it names one, the model's own loss where the chunked loss
+    does not apply (chunked_loss: false, a soft-capped head)."""
+    from test_packing import family_config
+
+    from sft.cli.main import main
+    from sft.training.loss import loss_on_a_gpu
+
+    from conftest import REPO
+
+    llama = family_config("llama")
+    values = dict(model_name_or_path="x", dataset="unused.json", output_dir="unused")
+    assert loss_on_a_gpu(load_recipe(values), llama).startswith("the chunked loss, its chunk step fused (auto")
+    assert loss_on_a_gpu(load_recipe({**values, "loss_kernel": "chunked"}), llama) == (
+        "the chunked loss, its eager chunk step (the recipe's)")
+    assert loss_on_a_gpu(load_recipe({**values, "loss_kernel": "liger"}), llama).startswith("Liger's")
+    assert loss_on_a_gpu(load_recipe({**values, "chunked_loss": False}), llama).endswith("(chunked_loss: false)")
+    assert "no plain linear head" in loss_on_a_gpu(load_recipe(values), family_config("gemma2"))
+    monkeypatch.chdir(REPO)  # the quickstart names data/ paths relative to the repository
+    assert main(["check", "recipes/quickstart.yaml"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("loss on a GPU"))
+    assert "its chunk step fused (auto" in row

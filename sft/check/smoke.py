@@ -39,6 +39,7 @@ from sft.models.loading import (
 )
 from sft.training.catalog import shipped
 from sft.training.flows import fitted_max_length
+from sft.training.loss import loss_on_a_gpu
 from sft.training.presets import shards
 from sft.training.recipe import load_recipe
 
@@ -76,12 +77,14 @@ class CheckReport:
     seconds: float = 0.0
     warnings: list[str] = dataclasses.field(default_factory=list)  # what sft train warned of in the smoke run
     gpu_attention: str = ""  # the attention the recipe's run gets on a GPU (the smoke run's is sdpa)
+    gpu_loss: str = ""  # what computes its training loss on a GPU (the smoke run's: the eager chunk step)
 
     def table(self) -> str:
         rows = [("recipe", self.recipe), ("architecture", f"tiny {self.model_type} (2 layers, hidden 64)"),
                 ("data", self.data), ("skipped (GPU only)", ", ".join(self.skipped) or "-")]
         rows += [("skipped (multi-process)", self.launch)] if self.launch else []
         rows += [("attention on a GPU", self.gpu_attention)] if self.gpu_attention else []
+        rows += [("loss on a GPU", self.gpu_loss)] if self.gpu_loss else []
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in self.metrics.items()]
         rows.append(("time", f"{self.seconds:.1f} s"))
         width = max(len(k) for k, _ in rows)
@@ -135,7 +138,8 @@ def tiny_recipe(path: str, flags: list[str] | None, folder: Path) -> tuple[SFTCo
     if real is not None:  # the tiny stand-in has positions of its own: the real model must have max_length
         fitted_max_length(config, real)
         check_varlen(config, real)  # as sft train does: its smoke run swaps varlen for sdpa
-    report = CheckReport(recipe=str(path), gpu_attention=attention_on_a_gpu(config, real) if real else "")
+    report = CheckReport(recipe=str(path), gpu_attention=attention_on_a_gpu(config, real) if real else "",
+                         gpu_loss=loss_on_a_gpu(config, real) if real else "")
     overrides = cpu_overrides(config, report, folder)
     overrides.update(sample_data(config, report))
     overrides.update(tiny_model(config, report, folder / "model", real))

@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.utils import ModelOutput
 
+from sft.config.arguments import SFTConfig
 from sft.config.names import CHUNKED_LOSS_KERNELS
 from sft.data.boundaries import starts
 from sft.data.encode import IGNORE_INDEX
@@ -196,6 +197,20 @@ def fused_step_runs(device: torch.device | str) -> bool:
     index = device.index if device.index is not None else torch.cuda.current_device()
     return (has_triton_package() and torch.cuda.get_device_capability(index)[0] >= 7
             and fused_step_compiles(torch.device("cuda", index)))
+
+
+def loss_on_a_gpu(config: SFTConfig, model_config: PretrainedConfig) -> str:
+    """What computes this recipe's training loss on a GPU, and why (`sft check` reports it on any machine: its smoke
+    run on CPU runs the eager chunk step under auto); `model_config` is the real model's."""
+    if not config.chunked_loss:
+        return "the model's own loss over full logits (chunked_loss: false)"
+    if not has_plain_head(model_config):
+        return "the model's own loss over full logits (no plain linear head: the chunked loss does not apply)"
+    return {"liger": "Liger's fused linear cross-entropy (the recipe's)",
+            "fused": "the chunked loss, its chunk step fused (the recipe's)",
+            "chunked": "the chunked loss, its eager chunk step (the recipe's)"}.get(
+        config.loss_kernel, "the chunked loss, its chunk step fused (auto, on a CUDA GPU with Triton; eager where "
+                            "that does not compile)")
 
 
 @functools.cache
