@@ -355,7 +355,7 @@ def test_trainer_with_auto_on_a_gpu_trains_with_the_fused_step(tmp_path, tokeniz
     assert TokenLoss(torch.nn.Linear(2, 2), True, 0.0, "auto", "cuda").kernel == "model"
 
 
-def test_sft_check_says_what_computes_the_loss_on_a_gpu(tmp_path, capsys, monkeypatch):
+def test_sft_check_says_what_computes_the_loss_on_a_gpu(capsys, monkeypatch):
     """Its smoke run on CPU runs the eager chunk step; the table says what a GPU run of the recipe computes: under
     auto the fused chunk step, the recipe's kernel where it names one, the model's own loss where the chunked loss
     does not apply (chunked_loss: false, a soft-capped head)."""
