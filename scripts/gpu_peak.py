@@ -64,18 +64,18 @@ class StorageEvents(TorchDispatchMode):
         self.events, self.seen = [], set()
 
     def free(self, key: int) -> None:
+        self.seen.discard(key)
         self.events.append({"action": "free_requested", "addr": key})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor) or id(tensor.untyped_storage()) in self.seen:
+            storage = tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
+            if storage is None or id(storage) in self.seen:
                 continue
-            storage = tensor.untyped_storage()
             key = id(storage)
             self.seen.add(key)
             weakref.finalize(storage, self.free, key)
-            weakref.finalize(storage, self.seen.discard, key)
             node = torch._C._current_autograd_node()
             frames = ([{"filename": "autograd", "line": 0, "name": node.name()}] if node is not None else
                       [{"filename": f.filename, "line": f.lineno, "name": f.name}

@@ -13,9 +13,9 @@ from transformers import PretrainedConfig
 
 from sft.config.arguments import SFTConfig
 from sft.errors import SFTError
-from sft.models.families import has_plain_head
 from sft.models.precision import upcasts_quantized_base
 from sft.training.linear_cross_entropy import chunk_rows, head_rows
+from sft.training.loss import chunked_loss_applies
 
 GIB = 2 ** 30
 # Bytes a token keeps per decoder layer without checkpointing, as multiples of (hidden, attention width
@@ -284,12 +284,6 @@ def dora_norm_bytes(h: int, i: int, grad: bool) -> int:
     part of autocast's bf16 cast of the identity and of one more [h, i] live meanwhile (fitted to MemTracker on
     Llama-3.2-1B and Qwen2.5-0.5B shapes, 1-4 x 1024 and 2 x 2048 tokens: within -9%..+7%, tests/test_plan.py)."""
     return 5 * i * i + 14 * h * i if grad else 4 * i * i + 12 * h * i
-
-
-def chunked_loss_applies(config: SFTConfig, arch: PretrainedConfig) -> bool:
-    """Whether SFTTrainer attaches the chunked loss (sft.training.loss.supports_chunked_loss, from the config alone):
-    plain heads (sft.models.families), under every preset, in training and eval."""
-    return config.chunked_loss and has_plain_head(arch)
 
 
 def head_bytes(config: SFTConfig, arch: PretrainedConfig, setup: Setup, tokens: int, trainable: bool) -> int:

@@ -199,13 +199,19 @@ def fused_step_runs(device: torch.device | str) -> bool:
             and fused_step_compiles(torch.device("cuda", index)))
 
 
+def chunked_loss_applies(config: SFTConfig, arch: PretrainedConfig) -> bool:
+    """Whether SFTTrainer attaches the chunked loss (supports_chunked_loss, from the config alone): plain heads
+    (sft.models.families), under every preset, in training and eval. The planner and `sft check` read it."""
+    return config.chunked_loss and has_plain_head(arch)
+
+
 def loss_on_a_gpu(config: SFTConfig, model_config: PretrainedConfig) -> str:
     """What computes this recipe's training loss on a GPU, and why (`sft check` reports it on any machine: its smoke
     run on CPU runs the eager chunk step under auto); `model_config` is the real model's."""
-    if not config.chunked_loss:
-        return "the model's own loss over full logits (chunked_loss: false)"
-    if not has_plain_head(model_config):
-        return "the model's own loss over full logits (no plain linear head: the chunked loss does not apply)"
+    if not chunked_loss_applies(config, model_config):
+        why = ("chunked_loss: false" if not config.chunked_loss
+               else "no plain linear head: the chunked loss does not apply")
+        return f"the model's own loss over full logits ({why})"
     return {"liger": "Liger's fused linear cross-entropy (the recipe's)",
             "fused": "the chunked loss, its chunk step fused (the recipe's)",
             "chunked": "the chunked loss, its eager chunk step (the recipe's)"}.get(
